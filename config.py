@@ -1,0 +1,25 @@
+"""The one config of the system: `python config.py --config FILE [--set k=v ...] --print`.
+
+Every service reads the same typed tree (defined in toolrl/config.py): model, data, prompt,
+executor, ref_server, rollout, rewards, grpo, learner, logging. An unknown key or a bad value
+exits non-zero with one line that names it.
+"""
+import argparse
+
+from toolrl.config import Config, add_config_args, config_from_args, dump_config, load_config  # noqa: F401
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_config_args(parser)
+    parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
+    args = parser.parse_args()
+    cfg = config_from_args(args)
+    if args.print:
+        print(dump_config(cfg), end="")
+    else:
+        print("config OK")
+
+
+if __name__ == "__main__":
+    main()

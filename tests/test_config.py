@@ -1,0 +1,83 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from toolrl.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.model.name and cfg.learner.steps >= 0
+
+
+def test_keys_other_services_rely_on():
+    cfg = load_config(ROOT / "configs/cpu_tiny.yaml")
+    assert cfg.executor.url.startswith("http://127.0.0.1")
+    assert cfg.ref_server.url.startswith("http://127.0.0.1")
+    assert cfg.model.name == "tiny-random"
+    assert cfg.learner.steps == 2
+
+
+def test_override_types_and_nesting():
+    cfg = load_config(ROOT / "configs/cpu_tiny.yaml",
+                      ["learner.lr=1e-6", "grpo.tis_cap=2", "learner.lora.enabled=true", "model.name=foo/bar",
+                       "rewards.weights={correct: 1.0}"])
+    assert cfg.learner.lr == pytest.approx(1e-6)
+    assert cfg.grpo.tis_cap == 2.0
+    assert cfg.learner.lora.enabled is True
+    assert cfg.model.name == "foo/bar"
+    assert cfg.rewards.weights == {"correct": 1.0}
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("learner.lrr=1e-6", "unknown key 'learner.lrr'"),
+    ("nosuch.key=1", "unknown key 'nosuch'"),
+    ("learner.steps=-3", "learner.steps=-3"),
+    ("learner.steps=many", "learner.steps='many'"),
+    ("grpo.loss_type=mean", "grpo.loss_type='mean'"),
+    ("learner.lr", "expected key=value"),
+    ("learner.lr.x=1", "learner.lr is not a section"),
+])
+def test_bad_override_is_one_clear_error(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/cpu_tiny.yaml", [override])
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learner: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad.write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+
+
+def test_cross_field_check():
+    with pytest.raises(ConfigError, match="data.level"):
+        load_config(None, ["data.level=5", "data.max_level=2"])
+
+
+def test_cli_print_and_error():
+    ok = subprocess.run([sys.executable, "config.py", "--config", "configs/cpu_tiny.yaml", "--set", "learner.lr=3e-6",
+                         "--print"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    printed = yaml.safe_load(ok.stdout)
+    assert printed["learner"]["lr"] == pytest.approx(3e-6)
+    assert printed["model"]["name"] == "tiny-random"
+    bad = subprocess.run([sys.executable, "config.py", "--config", "configs/cpu_tiny.yaml", "--set", "learner.lrr=1",
+                          "--print"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
+    lines = bad.stderr.strip().splitlines()
+    assert lines == ["config error: unknown key 'learner.lrr' (value 1)"]
+    assert bad.stdout == ""

@@ -1,0 +1,109 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from toolrl.config import DataConfig
+from toolrl.data import (
+    LEVELS, DataError, arithmetic_problem, arithmetic_problems, load_gsm8k, load_jsonl, load_math, load_problems,
+)
+from toolrl.parsing import last_boxed
+
+FIX = Path(__file__).parent / "fixtures"
+
+
+def test_gsm8k_answers_after_hashes():
+    probs = load_gsm8k(str(FIX / "gsm8k_sample.jsonl"))
+    assert [p.answer for p in probs] == ["72", "10", "5000"]
+    assert probs[0].question.startswith("Natalia")
+
+
+def test_math_answers_in_nested_boxes():
+    probs = load_math(str(FIX / "math_sample.jsonl"))
+    assert [p.answer for p in probs] == ["12", r"\frac{8-7x}{6}", r"\{1,2,3\}"]
+    assert probs[1].meta == {"level": "Level 3", "type": "Algebra"}
+
+
+def test_generic_jsonl_fields():
+    probs = load_jsonl(str(FIX / "generic_sample.jsonl"), question_field="prompt", answer_field="target")
+    assert [(p.id, p.question, p.answer) for p in probs] == [("q1", "What is 6 times 7?", "42"),
+                                                            ("q2", "What is 100 minus 1?", "99")]
+    with pytest.raises(DataError, match="missing field 'question'"):
+        load_jsonl(str(FIX / "generic_sample.jsonl"))
+
+
+def test_bad_files(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "a", "answer": "#### 1"}\nnot json\n')
+    with pytest.raises(DataError, match="bad.jsonl:2"):
+        load_gsm8k(str(bad))
+    bad.write_text('{"question": "a", "answer": "no final"}\n')
+    with pytest.raises(DataError, match="####"):
+        load_gsm8k(str(bad))
+    with pytest.raises(DataError, match="not a readable"):
+        load_gsm8k(str(tmp_path / "missing.jsonl"))
+
+
+def test_hub_path_fails_clearly_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match="could not load hub dataset 'openai/gsm8k:main'"):
+        load_gsm8k("openai/gsm8k:main")
+
+
+@pytest.mark.parametrize("text, want", [
+    (r"so \boxed{42}.", "42"),
+    (r"\boxed{1} then \boxed{\frac{a}{b}}", r"\frac{a}{b}"),
+    (r"\boxed{\{1,2\}}", r"\{1,2\}"),
+    (r"\boxed{unclosed", None),
+    ("nothing", None),
+])
+def test_last_boxed(text, want):
+    assert last_boxed(text) == want
+
+
+def test_arithmetic_is_seeded_and_correct():
+    a = arithmetic_problems(20, seed=7, level=3)
+    b = arithmetic_problems(20, seed=7, level=3)
+    assert a == b
+    assert a != arithmetic_problems(20, seed=8, level=3)
+    for p in a:
+        expr = p.meta["expression"]
+        assert str(eval(expr)) == p.answer
+        assert p.program == f"print({expr})"
+        assert int(p.answer) > 0
+        for v in p.meta["numbers"].values():
+            assert str(v) in p.question
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_levels_need_a_calculator(level):
+    probs = arithmetic_problems(50, seed=0, level=level)
+    assert all(int(p.answer) >= 144 for p in probs)  # never a one-digit toy
+    assert len({p.question for p in probs}) == 50
+    if level >= 2:  # multi-step: at least one product and one more operation
+        assert all(p.meta["expression"].count("*") >= 1 and len(p.meta["numbers"]) >= 3 for p in probs)
+    # harder levels have bigger answers on average
+    if level > 1:
+        prev = arithmetic_problems(50, seed=0, level=level - 1)
+        assert sum(int(p.answer) for p in probs) > sum(int(p.answer) for p in prev)
+
+
+def test_load_problems_dispatch():
+    cfg = DataConfig(source="arithmetic", seed=3, level=2)
+    probs = load_problems(cfg, n=5)
+    assert probs == arithmetic_problems(5, seed=3, level=2)
+    assert load_problems(cfg, n=5, seed=4) != probs
+    cfg = DataConfig(source="gsm8k", path=str(FIX / "gsm8k_sample.jsonl"))
+    assert len(load_problems(cfg)) == 3 and len(load_problems(cfg, n=2)) == 2
+    with pytest.raises(DataError, match="data.path"):
+        load_problems(DataConfig(source="math"))
+
+
+def test_heldout_seed_differs():
+    cfg = DataConfig()
+    train = {p.question for p in arithmetic_problems(200, seed=cfg.seed, level=1)}
+    held = {p.question for p in arithmetic_problems(200, seed=cfg.eval_seed, level=1)}
+    assert len(train & held) <= 2  # different streams; a rare coincidence is possible
+    assert arithmetic_problem(cfg.eval_seed, 1, 0).id != arithmetic_problem(cfg.seed, 1, 0).id
+    json.dumps(arithmetic_problem(0, 5, 0).meta)  # meta stays JSON-serialisable

@@ -1,0 +1,197 @@
+"""The wire format: exact round trips, and a typed error for every malformed payload."""
+import math
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from toolrl.protocol import (
+    CorruptPayload, PayloadTooLarge, Sample, SchemaMismatch, ToolCall, WireFormatError, bucketize,
+    decode_samples, decode_weight_bucket, encode_samples, encode_weight_bucket, pack,
+)
+
+finite = st.floats(min_value=-50, max_value=0, allow_nan=False, width=32)
+
+
+@st.composite
+def samples(draw):
+    n = draw(st.integers(0, 40))
+    mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+    logp = [draw(finite) if m else None for m in mask]
+    with_ref = draw(st.booleans())
+    return Sample(
+        prompt_ids=draw(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=30)),
+        completion_ids=draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)),
+        loss_mask=mask, logprobs=logp,
+        rewards=draw(st.dictionaries(st.text(min_size=1, max_size=8), st.floats(-10, 10), max_size=3)),
+        reward=draw(st.floats(-10, 10)), advantage=draw(st.floats(-10, 10)),
+        group_id=draw(st.text(max_size=12)), policy_version=draw(st.integers(0, 10**6)),
+        ref_logprobs=[draw(finite) for _ in range(n)] if with_ref else None,
+        stop_reason=draw(st.sampled_from(["eos", "length", "max_tool_calls"])),
+        tool_calls=[ToolCall(code=draw(st.text(max_size=20)), status="ok", output=draw(st.text(max_size=20)))],
+        text=draw(st.text(max_size=50)),
+    )
+
+
+@st.composite
+def groups(draw):
+    first = draw(samples())
+    rest = draw(st.lists(samples(), max_size=4))
+    ref = first.ref_logprobs is not None
+    fixed = [s.model_copy(update={"ref_logprobs": ([0.0] * len(s.completion_ids) if ref else None)}) for s in rest]
+    return [first] + fixed
+
+
+def _example() -> list[Sample]:
+    return [Sample(prompt_ids=[1, 2, 3], completion_ids=[4, 5, 6, 7], loss_mask=[1, 0, 0, 1],
+                   logprobs=[-0.5, None, None, -1.25], rewards={"correct": 1.0, "format": 0.1}, reward=1.1,
+                   advantage=0.7, group_id="g0", policy_version=3, stop_reason="eos",
+                   tool_calls=[ToolCall(code="print(2)", status="ok", output="2\n")], text="abc"),
+            Sample(prompt_ids=[9], completion_ids=[], loss_mask=[], logprobs=[], group_id="g0", policy_version=3)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(groups(), st.dictionaries(st.sampled_from(["worker", "note"]), st.text(max_size=10), max_size=2))
+def test_samples_round_trip_exactly(group, extra):
+    back, meta = decode_samples(encode_samples(group, **extra))
+    assert back == group
+    assert meta == extra
+
+
+def test_masked_logprobs_stay_null_and_floats_exact():
+    back, _ = decode_samples(encode_samples(_example()))
+    assert back[0].logprobs == [-0.5, None, None, -1.25]
+    assert back[0].loss_mask == [1, 0, 0, 1]
+    assert back[0].advantage == 0.7 and back[1].completion_ids == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_rejected(blob):
+    with pytest.raises(WireFormatError):
+        decode_samples(blob)
+
+
+VALID = encode_samples(_example())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, len(VALID) - 1))
+def test_every_truncation_rejected(cut):
+    with pytest.raises(WireFormatError):
+        decode_samples(VALID[:cut])
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, len(VALID) - 1), st.integers(1, 255))
+def test_any_flipped_byte_is_rejected_or_harmless(pos, xor):
+    bad = bytearray(VALID)
+    bad[pos] ^= xor
+    try:
+        back, _ = decode_samples(bytes(bad))
+    except WireFormatError:
+        return
+    assert back == _example()  # only a flip that changes nothing (e.g. header whitespace) may pass
+
+
+def test_wrong_schema_and_version():
+    weights = encode_weight_bucket([("w", torch.zeros(2))], version=1, index=0, count=1)
+    with pytest.raises(SchemaMismatch, match="toolrl.samples"):
+        decode_samples(weights)
+    from safetensors.torch import save
+    old = save({"x": torch.zeros(1)}, metadata={"schema": "toolrl.samples", "version": "0", "meta": "{}",
+                                                "crc32": "0"})
+    with pytest.raises(SchemaMismatch, match="version"):
+        decode_samples(old)
+    plain = save({"x": torch.zeros(1)})
+    with pytest.raises(CorruptPayload, match="no toolrl metadata"):
+        decode_samples(plain)
+
+
+def test_oversized_rejected_before_parsing():
+    with pytest.raises(PayloadTooLarge):
+        decode_samples(VALID, max_bytes=len(VALID) - 1)
+
+
+def _tensors_of(group):
+    from safetensors.torch import load
+    return load(encode_samples(group))
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda t: t.__setitem__("loss_mask", torch.full_like(t["loss_mask"], 2)), "loss_mask"),
+    (lambda t: t.__setitem__("prompt_offsets", torch.tensor([0, 5, 4])), "offsets"),
+    (lambda t: t.__setitem__("completion_ids", t["completion_ids"].to(torch.int64)), "dtype"),
+    (lambda t: t.pop("logprobs"), "missing tensor"),
+    (lambda t: t.__setitem__("logprobs", torch.full_like(t["logprobs"], float("nan"))), "logprobs"),
+    (lambda t: t.__setitem__("loss_mask", t["loss_mask"][:-1]), "loss_mask"),
+])
+def test_well_formed_but_inconsistent_payloads_rejected(mutate, needle):
+    import json
+    from safetensors.torch import load
+    data = encode_samples(_example())
+    header_len = struct.unpack("<Q", data[:8])[0]
+    meta = json.loads(json.loads(data[8:8 + header_len])["__metadata__"]["meta"])
+    tensors = load(data)
+    mutate(tensors)
+    forged = pack("toolrl.samples", meta, tensors)  # valid framing and checksum, bad contents
+    with pytest.raises(CorruptPayload, match=needle):
+        decode_samples(forged)
+
+
+def test_bad_meta_rows_rejected():
+    from safetensors.torch import load
+    tensors = load(VALID)
+    with pytest.raises(CorruptPayload, match="samples"):
+        decode_samples(pack("toolrl.samples", {"samples": []}, tensors))
+    with pytest.raises(CorruptPayload, match="offsets"):
+        decode_samples(pack("toolrl.samples", {"samples": [{"group_id": "a"}]}, tensors))
+    rows = [{"group_id": "a", "policy_version": -1}, {"group_id": "b"}]
+    with pytest.raises(CorruptPayload, match="policy_version"):
+        decode_samples(pack("toolrl.samples", {"samples": rows}, tensors))
+
+
+def test_sample_invariants():
+    with pytest.raises(ValueError, match="null for tool output"):
+        Sample(prompt_ids=[1], completion_ids=[2], loss_mask=[0], logprobs=[-1.0], group_id="g")
+    with pytest.raises(ValueError, match="finite"):
+        Sample(prompt_ids=[1], completion_ids=[2], loss_mask=[1], logprobs=[None], group_id="g")
+    with pytest.raises(ValueError, match="loss_mask"):
+        Sample(prompt_ids=[1], completion_ids=[2, 3], loss_mask=[1], logprobs=[-1.0], group_id="g")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 50), st.sampled_from([torch.float32, torch.bfloat16, torch.int64])),
+                min_size=1, max_size=6), st.integers(0, 100))
+def test_weight_buckets_round_trip_in_order(shapes, version):
+    named = [(f"layer.{i}.w", torch.randn(n).to(dt) if dt != torch.int64 else torch.arange(n))
+             for i, (n, dt) in enumerate(shapes)]
+    buckets = bucketize(named, bucket_bytes=128)
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
+    got = []
+    for i, b in enumerate(buckets):
+        wb = decode_weight_bucket(encode_weight_bucket(b, version, i, len(buckets)))
+        assert (wb.version, wb.index, wb.count, wb.last) == (version, i, len(buckets), i == len(buckets) - 1)
+        got.extend(wb.tensors)
+    assert [n for n, _ in got] == [n for n, _ in named]
+    for (_, a), (_, b) in zip(got, named):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_weight_bucket_defects():
+    good = encode_weight_bucket([("a", torch.ones(3)), ("b", torch.zeros(2))], version=2, index=1, count=2)
+    with pytest.raises(WireFormatError):
+        decode_weight_bucket(good[:-3])
+    with pytest.raises(CorruptPayload, match="out of range"):
+        decode_weight_bucket(pack("toolrl.weights", {"version": 1, "index": 3, "count": 2, "names": ["a"]},
+                                  {"a": torch.ones(1)}))
+    with pytest.raises(CorruptPayload, match="names"):
+        decode_weight_bucket(pack("toolrl.weights", {"version": 1, "index": 0, "count": 1, "names": ["x"]},
+                                  {"a": torch.ones(1)}))
+    with pytest.raises(SchemaMismatch):
+        decode_weight_bucket(VALID)
+    with pytest.raises(ValueError, match="duplicate"):
+        encode_weight_bucket([("a", torch.ones(1)), ("a", torch.ones(1))], 0, 0, 1)
+    assert math.isfinite(decode_weight_bucket(good).tensors[0][1].sum().item())

@@ -1,0 +1,1 @@
+"""toolrl: shared internals of the tool-interleaved GRPO system."""

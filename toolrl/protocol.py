@@ -1,0 +1,315 @@
+"""The sample record and the wire format, defined once for every service.
+
+A payload is one safetensors blob. Tensors travel as tensors; everything else travels as JSON
+in the safetensors metadata, beside the schema name, the schema version and a CRC32 over the
+JSON and every tensor's bytes. Decoding never unpickles anything, checks the size before it
+parses, and turns every defect (garbage, truncation, a flipped byte, a wrong schema or version,
+inconsistent lengths) into a `WireFormatError` subclass that says what is wrong.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+WIRE_VERSION = 1
+SCHEMA_SAMPLES = "toolrl.samples"
+SCHEMA_WEIGHTS = "toolrl.weights"
+CONTENT_TYPE = "application/vnd.toolrl.safetensors"
+
+MAX_SAMPLES_BYTES = 64 << 20
+MAX_WEIGHTS_BYTES = 4 << 30
+_MAX_HEADER_BYTES = 16 << 20
+
+
+class WireFormatError(ValueError):
+    """A payload that cannot be decoded. Subclasses say why."""
+
+
+class PayloadTooLarge(WireFormatError):
+    pass
+
+
+class SchemaMismatch(WireFormatError):
+    """A well-formed payload of another schema or another version."""
+
+
+class CorruptPayload(WireFormatError):
+    """Garbage, truncation, a checksum mismatch or contents that break the schema's invariants."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The sample record
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    code: str
+    status: str  # the executor's status: ok | error | timeout | oom | output_limit | killed | unavailable
+    output: str
+
+
+class Sample(BaseModel):
+    """One scored rollout: the unit every service passes around.
+
+    `loss_mask` is 1 where the policy generated the token and 0 for inserted tool output;
+    `logprobs` holds the sampler's logprob of each generated token and None under mask 0.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float | None]
+    rewards: dict[str, float] = Field(default_factory=dict)
+    reward: float = 0.0  # the weighted total the advantage was computed from
+    advantage: float = 0.0
+    group_id: str
+    policy_version: int = Field(0, ge=0)
+    source: Literal["policy", "teacher"] = "policy"
+    ref_logprobs: list[float] | None = None
+    stop_reason: str = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    text: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> "Sample":
+        n = len(self.completion_ids)
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(f"completion has {n} tokens but loss_mask has {len(self.loss_mask)} "
+                             f"and logprobs {len(self.logprobs)}")
+        if self.ref_logprobs is not None and len(self.ref_logprobs) != n:
+            raise ValueError(f"ref_logprobs has {len(self.ref_logprobs)} entries for {n} tokens")
+        for i, (m, lp) in enumerate(zip(self.loss_mask, self.logprobs)):
+            if m not in (0, 1):
+                raise ValueError(f"loss_mask[{i}]={m} is not 0 or 1")
+            if m == 1 and (lp is None or not math.isfinite(lp)):
+                raise ValueError(f"logprobs[{i}]={lp} must be finite where the model generated the token")
+            if m == 0 and lp is not None:
+                raise ValueError(f"logprobs[{i}] must be null for tool output (loss_mask 0)")
+        for k, v in self.rewards.items():
+            if not math.isfinite(v):
+                raise ValueError(f"reward {k!r} is not finite")
+        if not (math.isfinite(self.advantage) and math.isfinite(self.reward)):
+            raise ValueError("reward and advantage must be finite")
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+_TOKEN_FIELDS = ("prompt_ids", "completion_ids", "loss_mask", "logprobs", "ref_logprobs")
+
+
+# ---------------------------------------------------------------------------------------------
+# Generic framing
+
+def _crc(meta_json: str, tensors: dict[str, torch.Tensor]) -> str:
+    crc = zlib.crc32(meta_json.encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().reshape(-1)
+        crc = zlib.crc32(name.encode(), crc)
+        if t.numel():
+            crc = zlib.crc32(t.view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
+
+
+def pack(schema: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bytes:
+    meta_json = json.dumps(meta, separators=(",", ":"), allow_nan=False)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    header = {"schema": schema, "version": str(WIRE_VERSION), "meta": meta_json, "crc32": _crc(meta_json, tensors)}
+    return st_save(tensors, metadata=header)
+
+
+def unpack(data: bytes, schema: str, max_bytes: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Decode and verify a payload of `schema`. Raises a WireFormatError subclass on any defect."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CorruptPayload(f"payload must be bytes, got {type(data).__name__}")
+    size = len(data)
+    if size > max_bytes:
+        raise PayloadTooLarge(f"payload of {size} bytes is over the limit of {max_bytes}")
+    if size < 8:
+        raise CorruptPayload(f"payload of {size} bytes is too short to be safetensors")
+    (header_len,) = struct.unpack("<Q", bytes(data[:8]))
+    if header_len > min(size - 8, _MAX_HEADER_BYTES):
+        raise CorruptPayload(f"header claims {header_len} bytes but the payload has {size - 8} (truncated?)")
+    try:
+        header = json.loads(bytes(data[8:8 + header_len]))
+        meta_header = header.get("__metadata__") if isinstance(header, dict) else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptPayload(f"header is not valid JSON: {exc}") from None
+    if not isinstance(meta_header, dict):
+        raise CorruptPayload("payload carries no toolrl metadata")
+    got_schema, got_version = meta_header.get("schema"), meta_header.get("version")
+    if got_schema != schema:
+        raise SchemaMismatch(f"expected schema {schema!r}, got {got_schema!r}")
+    if got_version != str(WIRE_VERSION):
+        raise SchemaMismatch(f"{schema} version {got_version!r} is not supported (this side speaks {WIRE_VERSION})")
+    try:
+        tensors = st_load(bytes(data))
+    except Exception as exc:  # safetensors raises its own error types for every parse failure
+        raise CorruptPayload(f"malformed safetensors body: {exc}") from None
+    meta_json = meta_header.get("meta")
+    if not isinstance(meta_json, str):
+        raise CorruptPayload("metadata has no 'meta' field")
+    if meta_header.get("crc32") != _crc(meta_json, tensors):
+        raise CorruptPayload("checksum mismatch: the payload was altered or truncated in transit")
+    try:
+        meta = json.loads(meta_json)
+    except json.JSONDecodeError as exc:
+        raise CorruptPayload(f"meta is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise CorruptPayload("meta must be a JSON object")
+    return meta, tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Sample groups
+
+def _flat(rows: list[list], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    flat = [x for r in rows for x in r]
+    return torch.tensor(flat, dtype=dtype), offsets
+
+
+def encode_samples(samples: list[Sample], **extra: Any) -> bytes:
+    """A group (or batch) of samples -> one payload. `extra` goes into the JSON meta."""
+    if not samples:
+        raise ValueError("cannot encode an empty list of samples")
+    prompt, p_off = _flat([s.prompt_ids for s in samples], torch.int32)
+    comp, c_off = _flat([s.completion_ids for s in samples], torch.int32)
+    mask, _ = _flat([s.loss_mask for s in samples], torch.uint8)
+    logp, _ = _flat([[math.nan if x is None else x for x in s.logprobs] for s in samples], torch.float32)
+    tensors = {"prompt_ids": prompt, "prompt_offsets": p_off, "completion_ids": comp,
+               "completion_offsets": c_off, "loss_mask": mask, "logprobs": logp}
+    has_ref = [s.ref_logprobs is not None for s in samples]
+    if any(has_ref):
+        if not all(has_ref):
+            raise ValueError("either every sample or none carries ref_logprobs")
+        tensors["ref_logprobs"], _ = _flat([s.ref_logprobs for s in samples], torch.float32)
+    rows = [s.model_dump(exclude=set(_TOKEN_FIELDS)) for s in samples]
+    return pack(SCHEMA_SAMPLES, {"samples": rows, **extra}, tensors)
+
+
+_SAMPLE_TENSORS = {"prompt_ids": torch.int32, "prompt_offsets": torch.int64, "completion_ids": torch.int32,
+                   "completion_offsets": torch.int64, "loss_mask": torch.uint8, "logprobs": torch.float32}
+
+
+def _split(flat: torch.Tensor, offsets: torch.Tensor, name: str) -> list[list]:
+    if offsets.ndim != 1 or flat.ndim != 1:
+        raise CorruptPayload(f"{name} must be one-dimensional")
+    off = offsets.tolist()
+    if not off or off[0] != 0 or off[-1] != flat.numel() or any(b < a for a, b in zip(off, off[1:])):
+        raise CorruptPayload(f"{name} offsets do not partition its {flat.numel()} entries")
+    values = flat.tolist()
+    return [values[a:b] for a, b in zip(off, off[1:])]
+
+
+def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES) -> tuple[list[Sample], dict[str, Any]]:
+    """Payload -> (samples, extra meta). Raises a WireFormatError subclass on any defect."""
+    meta, t = unpack(data, SCHEMA_SAMPLES, max_bytes)
+    for name, dtype in _SAMPLE_TENSORS.items():
+        if name not in t:
+            raise CorruptPayload(f"missing tensor {name!r}")
+        if t[name].dtype != dtype:
+            raise CorruptPayload(f"tensor {name!r} has dtype {t[name].dtype}, expected {dtype}")
+    rows = meta.pop("samples", None)
+    if not isinstance(rows, list) or not rows:
+        raise CorruptPayload("meta.samples must be a non-empty list")
+    n = len(rows)
+    if t["prompt_offsets"].numel() != n + 1 or t["completion_offsets"].numel() != n + 1:
+        raise CorruptPayload(f"offsets do not match the {n} samples in meta")
+    prompts = _split(t["prompt_ids"], t["prompt_offsets"], "prompt_ids")
+    comps = _split(t["completion_ids"], t["completion_offsets"], "completion_ids")
+    c_off = t["completion_offsets"]
+    per_token = {}
+    for name in ("loss_mask", "logprobs", "ref_logprobs"):
+        if name in t:
+            if t[name].numel() != t["completion_ids"].numel():
+                raise CorruptPayload(f"{name} has {t[name].numel()} entries for {t['completion_ids'].numel()} tokens")
+            per_token[name] = _split(t[name], c_off, name)
+    if "ref_logprobs" in t and t["ref_logprobs"].dtype != torch.float32:
+        raise CorruptPayload("tensor 'ref_logprobs' must be float32")
+    samples = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise CorruptPayload(f"meta.samples[{i}] is not an object")
+        fields = dict(row, prompt_ids=prompts[i], completion_ids=comps[i], loss_mask=per_token["loss_mask"][i],
+                      logprobs=[None if math.isnan(x) else x for x in per_token["logprobs"][i]])
+        if "ref_logprobs" in per_token:
+            fields["ref_logprobs"] = per_token["ref_logprobs"][i]
+        try:
+            samples.append(Sample.model_validate(fields))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise CorruptPayload(f"sample {i}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    return samples, meta
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight updates: ordered buckets of named tensors with the policy version
+
+class WeightBucket(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    version: int = Field(ge=0)
+    index: int = Field(ge=0)
+    count: int = Field(ge=1)
+    tensors: list[tuple[str, torch.Tensor]]
+
+    @model_validator(mode="after")
+    def _check(self) -> "WeightBucket":
+        if self.index >= self.count:
+            raise ValueError(f"bucket index {self.index} out of range for {self.count} buckets")
+        return self
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def encode_weight_bucket(tensors: list[tuple[str, torch.Tensor]], version: int, index: int, count: int) -> bytes:
+    names = [n for n, _ in tensors]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate tensor names in a weight bucket")
+    if not 0 <= index < count:
+        raise ValueError(f"bucket index {index} out of range for {count} buckets")
+    meta = {"version": version, "index": index, "count": count, "names": names}
+    return pack(SCHEMA_WEIGHTS, meta, dict(tensors))
+
+
+def decode_weight_bucket(data: bytes, max_bytes: int = MAX_WEIGHTS_BYTES) -> WeightBucket:
+    meta, t = unpack(data, SCHEMA_WEIGHTS, max_bytes)
+    names = meta.get("names")
+    if not isinstance(names, list) or sorted(names) != sorted(t) or len(set(names)) != len(names):
+        raise CorruptPayload("weight bucket names do not match its tensors")
+    try:
+        return WeightBucket(version=meta.get("version"), index=meta.get("index"), count=meta.get("count"),
+                            tensors=[(n, t[n]) for n in names])
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise CorruptPayload(f"weight bucket {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+def bucketize(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Split named tensors, in order, into buckets of about `bucket_bytes` (a large tensor gets its own)."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, t))
+        size += nbytes
+    return [b for b in buckets if b]
