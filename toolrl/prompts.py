@@ -1,10 +1,22 @@
 """System prompts (prompts/*.txt) and the one definition of the tool-call layout they teach.
 
-The rollout engine, the teacher traces and the rewards all use these constants, so the layout the
-model is taught, the layout rollouts produce and the layout rewards parse cannot drift apart.
+A prompt file is a system prompt, optionally followed by worked examples that become real chat
+turns (a small model follows an example turn far better than an example described in the
+system prompt):
+
+    <system text>
+    ### example user
+    <question>
+    ### example assistant
+    <ideal answer>
+
+The rollout engine, the teacher traces and the rewards all use the constants below, so the
+layout the model is taught, the layout rollouts produce and the layout rewards parse agree.
 """
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
@@ -12,6 +24,7 @@ PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
 STOP_MARKER = "The result of executing this Python code is:"
 PROGRAM_OPEN, PROGRAM_CLOSE = "<program>", "</program>"
 OUTPUT_FENCE = "```output"
+_SECTION = re.compile(r"^### example (user|assistant)\s*$", re.M)
 
 
 def format_tool_result(output: str) -> str:
@@ -20,15 +33,44 @@ def format_tool_result(output: str) -> str:
     return f"\n{OUTPUT_FENCE}\n{body}```\n"
 
 
+@dataclass
+class ChatPrompt:
+    system: str
+    examples: list[tuple[str, str]] = field(default_factory=list)
+
+    def messages(self, question: str) -> list[dict]:
+        msgs = [{"role": "system", "content": self.system}]
+        for user, assistant in self.examples:
+            msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        return msgs + [{"role": "user", "content": question}]
+
+
 def available() -> list[str]:
     return sorted(p.stem for p in PROMPTS_DIR.glob("*.txt"))
 
 
 def load_prompt(name: str) -> str:
-    """A prompt by name (a file under prompts/, without .txt) or by path."""
+    """A prompt file's raw text, by name (a file under prompts/, without .txt) or by path."""
     path = Path(name)
     if not path.is_file():
         path = PROMPTS_DIR / f"{name}.txt"
     if not path.is_file():
         raise FileNotFoundError(f"unknown prompt {name!r}; available: {', '.join(available())}")
     return path.read_text().strip()
+
+
+def load_chat_prompt(name: str) -> ChatPrompt:
+    parts = _SECTION.split(load_prompt(name))
+    system, rest = parts[0].strip(), parts[1:]
+    examples, user = [], None
+    for role, text in zip(rest[::2], rest[1::2]):
+        if role == "user":
+            user = text.strip()
+        elif user is None:
+            raise ValueError(f"prompt {name!r}: an example assistant turn without a user turn")
+        else:
+            examples.append((user, text.strip()))
+            user = None
+    if user is not None:
+        raise ValueError(f"prompt {name!r}: an example user turn without an assistant turn")
+    return ChatPrompt(system, examples)

@@ -1,0 +1,94 @@
+import pytest
+
+from toolrl.advantages import group_advantages, zero_variance
+from toolrl.config import RewardConfig, RewardSchedule
+from toolrl.protocol import ToolCall
+from toolrl.rewards import REWARDS, Completion, extract_answer, register_reward, score, weights_at
+
+
+def comp(text, final=None, calls=()):
+    return Completion(text=text, final_text=text if final is None else final, tool_calls=list(calls))
+
+
+GOOD = "<think>\nlet me see\n</think>\n<answer>\nThe total is \\boxed{1,234}.\n</answer>\n"
+
+
+def test_correct_uses_last_box_in_answer_only():
+    cfg = RewardConfig(weights={"correct": 1.0})
+    assert score(comp(GOOD), "1234", cfg)[0]["correct"] == 1.0
+    # a box in the reasoning does not count, the one in <answer> does
+    text = "<think>\\boxed{1234}</think><answer>\\boxed{99}</answer>"
+    assert score(comp(text), "1234", cfg)[0]["correct"] == 0.0
+    # no <answer> at all: a bare box is not an answer
+    assert score(comp("<think>so \\boxed{1234}</think>"), "1234", cfg)[0]["correct"] == 0.0
+    # nested braces
+    assert extract_answer("<answer>\\boxed{\\frac{1}{2}}</answer>") == "\\frac{1}{2}"
+    assert score(comp("<answer>\\boxed{\\frac{1}{2}}</answer>"), "0.5", cfg)[0]["correct"] == 1.0
+    assert score(comp("<answer>\\boxed{\\frac{1}{3}}</answer>"), "0.5", cfg)[0]["correct"] == 0.0
+
+
+def test_answer_printed_by_the_tool_does_not_count():
+    # The program printed an answer block; the model's own final text has none.
+    tool_out = "```output\n<answer>\\boxed{1234}</answer>\n```\n"
+    text = "<think>\n<program>...</program>\n" + tool_out + "done\n</think>\n"
+    cfg = RewardConfig(weights={"correct": 1.0, "format": 1.0})
+    comps, _ = score(comp(text, final="done\n</think>\n"), "1234", cfg)
+    assert comps == {"correct": 0.0, "format": 0.0}
+
+
+def test_format_tolerates_whitespace_and_rejects_broken_structure():
+    cfg = RewardConfig(weights={"format": 1.0})
+    assert score(comp("  <think>x</think>\n\n  <answer>\\boxed{1}</answer>  \n"), "1", cfg)[1] == 1.0
+    assert score(comp("<think>x</think> trailing <answer>\\boxed{1}</answer>"), "1", cfg)[1] == 0.0
+    assert score(comp("<think>x</think><answer>no box</answer>"), "1", cfg)[1] == 0.0
+    assert score(comp("<answer>\\boxed{1}</answer>"), "1", cfg)[1] == 0.0
+
+
+def test_tool_bonus_only_for_clean_runs_and_capped():
+    cfg = RewardConfig(weights={"tool": 1.0}, tool_bonus_cap=2)
+    ok = ToolCall(code="print(1)", status="ok", output="1\n")
+    bad = ToolCall(code="1/0", status="error", output="ZeroDivisionError\n")
+    assert score(comp(GOOD, calls=[bad, bad]), "1", cfg)[1] == 0.0
+    assert score(comp(GOOD, calls=[ok, bad]), "1", cfg)[1] == 0.5
+    assert score(comp(GOOD, calls=[ok] * 5), "1", cfg)[1] == 1.0
+
+
+def test_simple_recipe_rewards():
+    cfg = RewardConfig(weights={"digit": 1.0, "mark": 1.0, "strict_format": 1.0})
+    comps, total = score(comp(GOOD), "1234", cfg)
+    assert comps == {"digit": 1.0, "mark": 1.0, "strict_format": 1.0} and total == 3.0
+    comps, _ = score(comp("<think>a</think><think>b</think><answer>\\boxed{x}</answer>"), "1", cfg)
+    assert comps == {"digit": 0.0, "mark": 0.5, "strict_format": 0.0}
+
+
+def test_weighted_total_and_custom_reward():
+    @register_reward("length_penalty")
+    def length_penalty(c, answer, cfg):
+        return -len(c.text) / 100
+
+    try:
+        cfg = RewardConfig(weights={"correct": 1.0, "format": 0.5, "length_penalty": 1.0})
+        comps, total = score(comp(GOOD), "1234", cfg)
+        assert total == pytest.approx(1.0 + 0.5 - len(GOOD) / 100)
+        with pytest.raises(ValueError, match="unknown reward"):
+            score(comp(GOOD), "1", RewardConfig(weights={"nope": 1.0}))
+    finally:
+        REWARDS.pop("length_penalty")
+
+
+def test_schedule_moves_weights_linearly():
+    cfg = RewardConfig(weights={"correct": 1.0, "format": 0.5},
+                       schedule={"format": RewardSchedule(start=0.5, end=0.0, steps=10)})
+    assert weights_at(cfg, 0)["format"] == 0.5
+    assert weights_at(cfg, 5)["format"] == pytest.approx(0.25)
+    assert weights_at(cfg, 50)["format"] == 0.0
+    assert score(comp(GOOD), "1234", cfg, version=10)[1] == 1.0
+
+
+def test_group_advantages():
+    a = group_advantages([1.0, 0.0, 0.0, 1.0])
+    assert a == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-3)
+    assert group_advantages([1.0, 0.0, 0.0, 1.0], scale=False) == [0.5, -0.5, -0.5, 0.5]
+    assert group_advantages([0.3, 0.3, 0.3]) == [0.0, 0.0, 0.0]
+    assert zero_variance([0.3, 0.3]) and not zero_variance([0.3, 0.31])
+    assert sum(group_advantages([0.1, 0.7, 0.2])) == pytest.approx(0.0, abs=1e-9)
