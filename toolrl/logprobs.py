@@ -1,0 +1,209 @@
+"""Per-token logprobs, computed one way for every caller (reference server and learner).
+
+The full-vocabulary logits of a batch are the largest tensor in an LLM step ([tokens, vocab] in
+fp32: 1.6 GB for 8k tokens of a 49k vocabulary). These functions never build it: they run the
+model's backbone once, then apply the output head and an fp32 log-softmax to `chunk_rows` rows at
+a time, keeping only each row's target logprob (and optionally its entropy).
+
+API
+---
+`token_logprobs(model, input_ids, attention_mask=None, *, temperature=1.0, chunk_rows=1024,
+with_entropy=False) -> float32 [B, T-1]`
+    logprob of token t+1 given tokens <= t, i.e. `log_softmax(logits[:, :-1] / T).gather(ids[:, 1:])`,
+    with logits computed in the model's dtype and upcast to fp32 before scaling (what a plain
+    `model(ids).logits.float()` gives). With `with_entropy`, returns `(logprobs, entropy)`.
+
+`pack_samples(samples, pad_id=0, device="cpu") -> PackedBatch`
+    right-padded `input_ids`/`attention_mask` of prompt+completion per Sample, plus completion
+    masks aligned to `[B, Cmax]`.
+
+`completion_logprobs(model, packed, *, temperature=1.0, chunk_rows=1024, with_entropy=False)
+-> float32 [B, Cmax]`
+    logprobs of the completion tokens only (0 beyond each completion; use
+    `packed.completion_mask`). The head runs only at completion positions, so prompt tokens cost
+    a backbone pass and nothing more.
+
+`sample_logprobs(model, samples, ...) -> list[list[float]]`: the same, per Sample, no grad.
+
+`logprobs_from_hidden(hidden [N, H], head, targets [N], ...) -> float32 [N]`: the chunked core.
+
+Autograd: every function is differentiable. When grad is enabled, each chunk runs under
+`torch.utils.checkpoint`, so backward also holds one chunk of logits at a time (the head is
+recomputed per chunk: one extra head matmul, traded for O(chunk) memory).
+
+The head is called as a module (`model.get_output_embeddings()(h)`), so hooks that gather
+partitioned weights (DeepSpeed ZeRO-3) or adapters on the head (peft) apply. Pass the bare
+`transformers` model (for a DeepSpeed engine, `engine.module`). Models whose logits are
+post-processed after the head (softcapping, logit scale) are refused rather than silently wrong.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Config attributes that mean "logits are not just head(hidden)"; we refuse such models.
+_UNSUPPORTED_LOGIT_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def _check_model(model) -> None:
+    cfg = getattr(model, "config", None)
+    for attr in _UNSUPPORTED_LOGIT_ATTRS:
+        value = getattr(cfg, attr, None)
+        if value not in (None, 1, 1.0):
+            raise NotImplementedError(f"{type(model).__name__} post-processes logits ({attr}={value}); "
+                                      "toolrl.logprobs computes head(hidden) only")
+
+
+def _chunk_fn(head: Callable, temperature: float, with_entropy: bool):
+    def fn(h: torch.Tensor, tgt: torch.Tensor):
+        logits = head(h).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
+        if not with_entropy:
+            return logp
+        # H = lse - sum(p * logits): one extra pass over the chunk, no second [rows, V] tensor kept.
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        return logp, ent
+
+    return fn
+
+
+def logprobs_from_hidden(hidden: torch.Tensor, head: Callable, targets: torch.Tensor, *, temperature: float = 1.0,
+                         chunk_rows: int = 1024, with_entropy: bool = False, use_checkpoint: bool | None = None):
+    """hidden [N, H] (final normed hidden states), targets [N] -> fp32 logprobs [N] (and entropy [N])."""
+    if hidden.ndim != 2 or targets.ndim != 1 or hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"expected hidden [N, H] and targets [N], got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if use_checkpoint is None:
+        use_checkpoint = torch.is_grad_enabled() and (hidden.requires_grad or any(
+            p.requires_grad for p in getattr(head, "parameters", lambda: [])()))
+    fn = _chunk_fn(head, temperature, with_entropy)
+    targets = targets.to(hidden.device, torch.long)
+    logps, ents = [], []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        h, t = hidden[start:start + chunk_rows], targets[start:start + chunk_rows]
+        out = checkpoint(fn, h, t, use_reentrant=False) if use_checkpoint else fn(h, t)
+        if with_entropy:
+            logps.append(out[0])
+            ents.append(out[1])
+        else:
+            logps.append(out)
+    if not logps:  # N == 0
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return (empty, empty.clone()) if with_entropy else empty
+    logp = torch.cat(logps)
+    return (logp, torch.cat(ents)) if with_entropy else logp
+
+
+def _hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    _check_model(model)
+    backbone = model.get_decoder()
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                   temperature: float = 1.0, chunk_rows: int = 1024, with_entropy: bool = False):
+    """fp32 [B, T-1]: logprob of input_ids[:, t+1] given input_ids[:, :t+1]. See the module docstring."""
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)}")
+    B, T = input_ids.shape
+    hidden = _hidden_states(model, input_ids, attention_mask)
+    flat_h = hidden[:, :-1].reshape(B * (T - 1), hidden.shape[-1])
+    out = logprobs_from_hidden(flat_h, model.get_output_embeddings(), input_ids[:, 1:].reshape(-1),
+                               temperature=temperature, chunk_rows=chunk_rows, with_entropy=with_entropy)
+    if with_entropy:
+        return out[0].view(B, T - 1), out[1].view(B, T - 1)
+    return out.view(B, T - 1)
+
+
+@dataclass
+class PackedBatch:
+    """Right-padded prompt+completion rows. Completion token j of row i sits at prompt_lens[i] + j."""
+
+    input_ids: torch.Tensor  # long [B, T]
+    attention_mask: torch.Tensor  # long [B, T]
+    prompt_lens: list[int]
+    completion_lens: list[int]
+    completion_ids: torch.Tensor  # long [B, Cmax], pad_id beyond each completion
+    completion_mask: torch.Tensor  # bool [B, Cmax]: a real completion token
+    loss_mask: torch.Tensor  # float32 [B, Cmax]: the sample's loss mask (0 for tool output and padding)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.prompt_lens) + sum(self.completion_lens))
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device) -> "PackedBatch":
+        return PackedBatch(self.input_ids.to(device), self.attention_mask.to(device), self.prompt_lens,
+                           self.completion_lens, self.completion_ids.to(device), self.completion_mask.to(device),
+                           self.loss_mask.to(device))
+
+
+def pack_samples(samples: Sequence, pad_id: int = 0, device: str | torch.device = "cpu") -> PackedBatch:
+    """Samples (anything with prompt_ids, completion_ids, loss_mask) -> a right-padded PackedBatch."""
+    if not samples:
+        raise ValueError("cannot pack an empty list of samples")
+    p_lens = [len(s.prompt_ids) for s in samples]
+    c_lens = [len(s.completion_ids) for s in samples]
+    if min(p_lens) < 1:
+        raise ValueError("every sample needs at least one prompt token")
+    B, T, C = len(samples), max(p + c for p, c in zip(p_lens, c_lens)), max(c_lens)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    comp = torch.full((B, C), pad_id, dtype=torch.long)
+    cmask = torch.zeros((B, C), dtype=torch.bool)
+    lmask = torch.zeros((B, C), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p, c = p_lens[i], c_lens[i]
+        row = torch.tensor(list(s.prompt_ids) + list(s.completion_ids), dtype=torch.long)
+        ids[i, :p + c] = row
+        attn[i, :p + c] = 1
+        if c:
+            comp[i, :c] = row[p:]
+            cmask[i, :c] = True
+            lmask[i, :c] = torch.tensor(s.loss_mask, dtype=torch.float32)
+    return PackedBatch(ids, attn, p_lens, c_lens, comp, cmask, lmask).to(device)
+
+
+def completion_logprobs(model, packed: PackedBatch, *, temperature: float = 1.0, chunk_rows: int = 1024,
+                        with_entropy: bool = False):
+    """fp32 [B, Cmax] logprobs of each completion token (0 where `packed.completion_mask` is False)."""
+    hidden = _hidden_states(model, packed.input_ids, packed.attention_mask)
+    B, C = packed.completion_mask.shape
+    # Token j of the completion is predicted by the hidden state just before it: row i, col p_i + j - 1.
+    cols = torch.tensor(packed.prompt_lens, device=hidden.device).unsqueeze(1) - 1 \
+        + torch.arange(C, device=hidden.device).unsqueeze(0)
+    mask = packed.completion_mask.to(hidden.device)
+    rows = torch.arange(B, device=hidden.device).unsqueeze(1).expand(B, C)
+    sel_h = hidden[rows[mask], cols[mask]]  # [N, H], only the positions we need
+    targets = packed.completion_ids.to(hidden.device)[mask]
+    out = logprobs_from_hidden(sel_h, model.get_output_embeddings(), targets, temperature=temperature,
+                               chunk_rows=chunk_rows, with_entropy=with_entropy)
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        full = values.new_zeros(B, C)
+        return full.masked_scatter(mask, values)
+
+    return (scatter(out[0]), scatter(out[1])) if with_entropy else scatter(out)
+
+
+@torch.no_grad()
+def sample_logprobs(model, samples: Sequence, *, temperature: float = 1.0, chunk_rows: int = 1024,
+                    pad_id: int = 0) -> list[list[float]]:
+    """Completion logprobs per Sample, as Python floats (no grad). One forward pass for the whole list."""
+    device = next(model.parameters()).device
+    packed = pack_samples(samples, pad_id=pad_id, device=device)
+    lp = completion_logprobs(model, packed, temperature=temperature, chunk_rows=chunk_rows).cpu()
+    return [lp[i, :c].tolist() for i, c in enumerate(packed.completion_lens)]
