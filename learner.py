@@ -1,0 +1,111 @@
+"""learner.py: the DeepSpeed GRPO learner. It pulls batches, takes steps, checkpoints, and pushes
+weights back to every worker.
+
+    deepspeed --num_gpus N learner.py --config CFG [--set k=v ...] [--run-dir DIR] [--resume]
+    torchrun --nproc_per_node N learner.py ...     (also works; on a CPU: --num_gpus 1)
+
+Each step: wait for a batch from the reference server (catching late workers up meanwhile),
+one GRPO step, every `sync_every` steps push the weights to all live workers and announce the
+new policy version, every `checkpoint_every` steps save an exact-resume checkpoint.
+"""
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from toolrl.config import add_config_args, config_from_args
+from toolrl.service import setup_logging
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_config_args(parser)
+    parser.add_argument("--run-dir", help="checkpoints, export and logs go here (default: from the config)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # set by deepspeed
+    args = parser.parse_args()
+    cfg = config_from_args(args)
+    log = setup_logging("learner")
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    ckpt_dir = run_dir / "checkpoints" if run_dir else Path(cfg.learner.checkpoint_dir)
+    log_dir = run_dir / "logs" if run_dir else Path(cfg.logging.log_dir)
+
+    import torch
+
+    from toolrl.models import resolve_model
+    from toolrl.monitor import Monitor, batch_stats
+    from toolrl.refserver.client import RefServerClient
+    from toolrl.sync import WeightSync
+    from toolrl.trainer import Trainer
+
+    trainer = Trainer(cfg, resolve_model(cfg.model.name))
+    rank0 = trainer.rank == 0
+    if args.resume and trainer.load_checkpoint(ckpt_dir):
+        log.info("resumed at step %d, policy version %d", trainer.step, trainer.version)
+    ref = RefServerClient(cfg.ref_server.url, token=cfg.ref_server.token)
+    sync = WeightSync(cfg, ref)
+    sync_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    state = lambda: trainer.export_state(sync_dtype)  # noqa: E731
+    monitor = Monitor(cfg, log_dir, trainer.rank)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if rank0:
+        ref.set_version(trainer.version)
+        if trainer.version > 0:  # resumed: the workers still hold older weights
+            sync.push(state(), trainer.version)
+
+    while trainer.step < cfg.learner.steps:
+        t0 = time.time()
+        batch, deadline = None, t0 + cfg.learner.batch_timeout_s
+        while batch is None:
+            if time.time() > deadline:
+                raise SystemExit(f"no batch from {cfg.ref_server.url} within {cfg.learner.batch_timeout_s:.0f}s")
+            if rank0:
+                sync.catch_up(state, trainer.version)
+            batch = ref.get_batch(max(1, cfg.learner.batch_samples // world), cfg.learner.batch_tokens // world,
+                                  wait_s=min(10.0, cfg.ref_server.batch_wait_s))
+        t1 = time.time()
+        metrics = trainer.train_step(batch)
+        t2 = time.time()
+        synced = {}
+        if trainer.step % cfg.learner.sync_every == 0:
+            trainer.version += 1
+            named = state()
+            if rank0:
+                synced = sync.push(named, trainer.version)
+        t3 = time.time()
+        if cfg.learner.checkpoint_every and trainer.step % cfg.learner.checkpoint_every == 0:
+            trainer.save_checkpoint(ckpt_dir)  # on every rank: each writes its ZeRO shard
+        metrics.update(batch_stats(batch, trainer.version))
+        metrics.update(time_wait_s=t1 - t0, time_compute_s=t2 - t1, time_sync_s=t3 - t2, step_time_s=time.time() - t0,
+                       policy_version=trainer.version, workers_ok=synced.get("workers_ok", 0),
+                       workers_failed=synced.get("workers_failed", 0))
+        if rank0:
+            try:
+                st = ref.stats()
+                metrics.update({f"queue/{k}": v for k, v in st.items() if isinstance(v, (int, float))})
+            except Exception as exc:  # stats are nice to have; never stop training for them
+                log.warning("could not read reference server stats: %s", exc)
+        monitor.log(trainer.step, metrics)
+        if rank0:
+            print(f"step {trainer.step}/{cfg.learner.steps} v{trainer.version} "
+                  f"reward {metrics['reward/total_mean']:.3f} acc {metrics['accuracy']:.2f} "
+                  f"tools/sample {metrics['tool_calls_per_sample']:.2f} loss {metrics['loss']:+.4f} "
+                  f"kl {metrics['kl']:.4f} step {metrics['step_time_s']:.1f}s "
+                  f"(wait {t1 - t0:.1f} compute {t2 - t1:.1f} sync {t3 - t2:.1f})", flush=True)
+
+    if cfg.learner.checkpoint_every == 0 or trainer.step % cfg.learner.checkpoint_every:
+        trainer.save_checkpoint(ckpt_dir)
+    export = trainer.export_hf((run_dir or Path(cfg.learner.checkpoint_dir).parent) / "export")
+    if rank0:
+        summary = {"steps": trainer.step, "policy_version": trainer.version, "samples": trainer.samples_seen,
+                   "skipped_steps": trainer.skipped_steps, "export": str(export)}
+        print(json.dumps(summary), flush=True)
+    monitor.close()
+    ref.close()
+    logging.shutdown()
+
+
+if __name__ == "__main__":
+    main()

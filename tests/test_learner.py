@@ -1,0 +1,150 @@
+"""The DeepSpeed learner on the tiny model, in-process on DeepSpeed's CPU accelerator."""
+import math
+import random
+
+import pytest
+import torch
+
+from toolrl.config import load_config
+from toolrl.logprobs import sample_logprobs
+from toolrl.models import resolve_model
+from toolrl.protocol import Sample
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dist_env():
+    import os
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def make_cfg(*extra):
+    return load_config("configs/cpu_tiny.yaml", ["learner.lr=2e-3", "grpo.beta=0", "learner.dtype=float32",
+                                                 "logging.wandb_mode=disabled", *extra])
+
+
+def make_trainer(*extra):
+    from toolrl.trainer import Trainer
+
+    return Trainer(make_cfg(*extra), resolve_model("tiny-random"))
+
+
+def batch(seed=0, n_groups=2, group=4, on_policy_model=None, tool_tokens=3):
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_groups):
+        for i in range(group):
+            n = rng.randint(6, 14)
+            mask = [1] * n
+            for j in range(2, min(n, 2 + tool_tokens)):  # a span of tool output
+                mask[j] = 0
+            adv = 1.0 if i % 2 else -1.0
+            out.append(Sample(prompt_ids=[rng.randint(0, 2000) for _ in range(6)],
+                              completion_ids=[rng.randint(0, 2000) for _ in range(n)], loss_mask=mask,
+                              logprobs=[-10.0 if m else None for m in mask], rewards={"correct": float(i % 2)},
+                              reward=float(i % 2), advantage=adv, group_id=f"g{seed}-{g}"))
+    if on_policy_model is not None:  # behaviour logprobs = the model's own: ratio starts at 1
+        lps = sample_logprobs(on_policy_model, out, temperature=1.0)
+        out = [s.model_copy(update={"logprobs": [lp if m else None for lp, m in zip(row, s.loss_mask)]})
+               for s, row in zip(out, lps)]
+    return out
+
+
+def test_steps_reduce_the_loss_on_a_fixed_batch():
+    tr = make_trainer()
+    b = batch(0, on_policy_model=tr.module)
+    losses = [tr.train_step(b)["loss"] for _ in range(4)]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 1e-3, losses
+    assert tr.step == 4 and tr.skipped_steps == 0
+
+
+def test_masked_positions_get_no_gradient():
+    """A masked final token (tool output) is only ever a target, never context: if it got any
+    gradient, changing it would change the step. It must not."""
+    a = make_trainer()
+    b1 = batch(1, on_policy_model=a.module)
+    b1 = [s.model_copy(update={"loss_mask": s.loss_mask[:-1] + [0], "logprobs": s.logprobs[:-1] + [None]})
+          for s in b1]
+    m1 = a.train_step(b1)
+    b = make_trainer()
+    b2 = [s.model_copy(update={"completion_ids": s.completion_ids[:-1] + [(s.completion_ids[-1] + 7) % 2000]})
+          for s in b1]
+    m2 = b.train_step(b2)
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-6)
+    # the weights after the step do not depend on the masked logprob values either
+    for (n1, p1), (n2, p2) in zip(a.export_state(), b.export_state()):
+        assert n1 == n2 and torch.allclose(p1, p2, atol=1e-6)
+
+
+def test_nonfinite_loss_and_gradients_never_reach_the_weights():
+    tr = make_trainer()
+    before = [t.clone() for _, t in tr.export_state()]
+    bad = [s.model_copy(update={"logprobs": [(-1e30 if lp is not None else None) for lp in s.logprobs]})
+           for s in batch(2)]  # exp(logp + 1e30) overflows: the loss is inf
+    m = tr.train_step(bad)
+    assert m["skipped_micro_batches"] == m["micro_batches"] and m["step_applied"] == 0.0
+    # a finite loss whose gradient is NaN: DeepSpeed's overflow check must skip the step
+    p = tr.module.model.embed_tokens.weight
+    h = p.register_hook(lambda g: g * float("nan"))
+    try:
+        m = tr.train_step(batch(3))
+    finally:
+        h.remove()
+    assert m["step_applied"] == 0.0 and tr.skipped_steps == 2
+    for t0, (_, t1) in zip(before, tr.export_state()):
+        assert torch.equal(t0, t1)
+    m = tr.train_step(batch(4))  # and it keeps training afterwards
+    assert m["step_applied"] == 1.0
+
+
+def test_resume_reproduces_the_next_step(tmp_path):
+    a = make_trainer()
+    a.train_step(batch(5))
+    a.version = 3
+    a.save_checkpoint(tmp_path)
+    expected = a.train_step(batch(6))["loss"]
+    b = make_trainer()
+    assert b.load_checkpoint(tmp_path)
+    assert (b.step, b.version) == (1, 3)
+    assert b.train_step(batch(6))["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_teacher_and_self_sft_terms():
+    tr = make_trainer("grpo.w_teacher=0.5", "grpo.w_self=0.25")
+    b = batch(7)
+    teacher = b[0].model_copy(update={"source": "teacher", "group_id": "teacher-0"})
+    m = tr.train_step(b + [teacher])
+    assert m["sft_samples_teacher"] == 1
+    assert m["sft_samples_self"] == 2  # one successful sample chosen per group
+    assert m["loss_sft_teacher"] > 0 and m["loss_sft_self"] > 0
+    assert m["loss"] == pytest.approx(m["loss_grpo"] + 0.5 * m["loss_sft_teacher"] + 0.25 * m["loss_sft_self"])
+
+
+def test_lora_sync_merges_the_adapter(tmp_path):
+    tr = make_trainer("learner.lora.enabled=true", "learner.lora.r=4")
+    base = dict(make_trainer().export_state())
+    for _ in range(2):
+        tr.train_step(batch(8))
+    merged = dict(tr.export_state())
+    assert set(merged) == set(base)  # plain HF names: no lora_ tensors, no peft prefixes
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(merged[q], base[q])  # the adapter is merged in
+    assert torch.equal(merged["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
+    out = tr.export_hf(tmp_path / "export")
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.allclose(m.state_dict()[q], merged[q], atol=1e-6)
