@@ -3,7 +3,11 @@ import pytest
 import torch
 
 from toolrl.logprobs import (
-    completion_logprobs, logprobs_from_hidden, pack_samples, sample_logprobs, token_logprobs,
+    completion_logprobs,
+    logprobs_from_hidden,
+    pack_samples,
+    sample_logprobs,
+    token_logprobs,
 )
 from toolrl.models import load_hf_model
 from toolrl.protocol import Sample

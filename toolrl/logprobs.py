@@ -38,8 +38,8 @@ post-processed after the head (softcapping, logit scale) are refused rather than
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -84,7 +84,7 @@ def logprobs_from_hidden(hidden: torch.Tensor, head: Callable, targets: torch.Te
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if use_checkpoint is None:
         use_checkpoint = torch.is_grad_enabled() and (hidden.requires_grad or any(
-            p.requires_grad for p in getattr(head, "parameters", lambda: [])()))
+            p.requires_grad for p in getattr(head, "parameters", list)()))
     fn = _chunk_fn(head, temperature, with_entropy)
     targets = targets.to(hidden.device, torch.long)
     logps, ents = [], []
@@ -145,7 +145,7 @@ class PackedBatch:
     def padded_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def to(self, device) -> "PackedBatch":
+    def to(self, device) -> PackedBatch:
         return PackedBatch(self.input_ids.to(device), self.attention_mask.to(device), self.prompt_lens,
                            self.completion_lens, self.completion_ids.to(device), self.completion_mask.to(device),
                            self.loss_mask.to(device))

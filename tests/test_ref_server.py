@@ -1,0 +1,283 @@
+"""The reference server as a real HTTP service (uvicorn in a thread, the tiny model in float32)."""
+import asyncio
+import random
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from toolrl.config import load_config
+from toolrl.models import load_hf_model
+from toolrl.protocol import CONTENT_TYPE, Sample, encode_samples, encode_weight_bucket
+from toolrl.refserver import reference as reference_mod
+from toolrl.refserver.app import create_app
+from toolrl.refserver.client import AsyncRefServerClient, RefServerClient, RefServerError
+
+PORTS = range(18250, 18290)
+
+
+def free_port() -> int:
+    for port in random.sample(PORTS, len(PORTS)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 18250-18289")
+
+
+@contextmanager
+def serve(app):
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def config(**ref):
+    overrides = ["model.name=tiny-random", "model.dtype=float32", "grpo.beta=0", "rollout.temperature=1.0"]
+    overrides += [f"ref_server.{k}={v}" for k, v in ref.items() if not k.startswith("_")]
+    overrides += ref.get("_extra", [])
+    return load_config(None, overrides)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    m = load_hf_model("tiny-random", dtype="float32")
+    with torch.no_grad():  # random init gives near-uniform logits; sharpen so position errors would show
+        m.get_output_embeddings().weight.mul_(30.0)
+    return m
+
+
+def mk(tag, p=3, c=4, version=0, source="policy", seed=None) -> Sample:
+    g = random.Random(seed if seed is not None else tag)
+    ids = [g.randrange(1, 49152) for _ in range(p + c)]
+    mask = [0 if j % 4 == 3 else 1 for j in range(c)]
+    return Sample(prompt_ids=ids[:p], completion_ids=ids[p:], loss_mask=mask,
+                  logprobs=[-1.0 if m else None for m in mask], group_id=str(tag), policy_version=version,
+                  source=source, rewards={"correct": 1.0}, reward=1.0, advantage=0.5, text=f"t{tag}")
+
+
+def plain_logprobs(model, s: Sample, temperature: float) -> list[float]:
+    ids = torch.tensor([s.prompt_ids + s.completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits.float() / temperature
+    lp = logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+    return lp[len(s.prompt_ids) - 1:].tolist()
+
+
+def test_reference_logprobs_equal_a_plain_forward_with_mixed_lengths(tiny):
+    cfg = config(token_budget=4096, _extra=["grpo.beta=0.04", "rollout.temperature=0.7"])
+    group = [mk(1, 3, 5), mk(2, 40, 60), mk(3, 10, 1), mk(4, 100, 7), mk(5, 1, 30)]
+    with serve(create_app(cfg, model=tiny)) as url, RefServerClient(url) as c:
+        asyncio.run(_upload(url, group))
+        got = c.get_batch(max_samples=10, max_tokens=10**6, wait_s=20)
+        stats, meta = c.stats(), c.last_batch_meta
+    assert [s.group_id for s in got] == ["1", "2", "3", "4", "5"]  # upload order, not the length order
+    assert stats["reference"]["batches_total"] == 1  # the mixed lengths went through one padded batch
+    assert stats["reference"]["tokens_total"] == sum(s.num_tokens for s in group)
+    for s, back in zip(group, got):
+        want = plain_logprobs(tiny, s, 0.7)
+        assert back.ref_logprobs == pytest.approx(want, abs=2e-4)
+        assert back.model_dump(exclude={"ref_logprobs"}) == s.model_dump(exclude={"ref_logprobs"})
+    spread = torch.tensor([x for s in got for x in s.ref_logprobs]).std()
+    assert spread > 1.0  # the comparison is meaningful: logprobs differ a lot from token to token
+    assert meta["learner_version"] == 0 and len(meta["compute_s"]) == 5 and meta["compute_s"][0] > 0
+
+
+async def _upload(url, *groups, **kw):
+    async with AsyncRefServerClient(url, **kw) as c:
+        return [await c.upload(g) for g in groups]
+
+
+@pytest.mark.parametrize("bound", ["samples", "bytes"])
+def test_producer_flood_is_bounded_lossless_and_in_order(bound):
+    if bound == "samples":
+        cfg, make = config(max_queue_samples=8), (lambda i: mk(i))
+    else:  # ~110 KB per sample: 1 MiB holds 9 of them
+        cfg, make = config(max_queue_bytes=1 << 20), (lambda i: mk(i, p=20, c=1000))
+    n_groups, per_group = 40, 2
+    sent = [[make(g * per_group + k) for k in range(per_group)] for g in range(n_groups)]
+    received, peak = [], [0]
+    with serve(create_app(cfg)) as url:
+        def consume():
+            with RefServerClient(url) as c:
+                while len(received) < n_groups * per_group:
+                    got = c.get_batch(max_samples=3, max_tokens=10**6, wait_s=5)
+                    assert got is not None, "producer stalled"
+                    received.extend(got)
+                    peak[0] = max(peak[0], c.stats()["queue"]["samples"])
+                    time.sleep(0.01)  # a slow learner
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        results = asyncio.run(_upload(url, *sent, upload_wait_s=0.2))
+        consumer.join(60)
+        with RefServerClient(url) as c:
+            q = c.stats()["queue"]
+    assert [s.group_id for s in received] == [s.group_id for g in sent for s in g]  # nothing lost, in order
+    assert all(r["accepted"] == per_group for r in results)
+    assert q["samples_in"] == q["samples_out"] == n_groups * per_group and q["samples"] == 0
+    assert q["waited_full"] > 5  # the flood really hit the bound and waited
+    assert q["high_water_samples"] <= q["max_samples"] and q["high_water_bytes"] <= q["max_bytes"]
+    assert peak[0] <= q["max_samples"]
+
+
+def test_stale_samples_are_dropped_and_counted():
+    cfg = config(max_staleness=2)
+    with serve(create_app(cfg)) as url, RefServerClient(url) as c:
+        c.set_version(5)
+        (r,) = asyncio.run(_upload(url, [mk(1, version=2), mk(2, version=3), mk(3, source="teacher")]))
+        assert (r["accepted"], r["dropped_stale"]) == (2, 1)
+        asyncio.run(_upload(url, [mk(4, version=4)]))
+        assert c.set_version(7)["dropped_stale"] == 2  # v3 and v4 are now older than 7 - 2
+        got = c.get_batch(10, 10**6, wait_s=1)
+        stats = c.stats()["queue"]
+    assert [s.group_id for s in got] == ["3"]  # teacher samples are exempt from the policy-lag rule
+    assert stats["dropped_stale"] == 3 and stats["samples"] == 0 and stats["learner_version"] == 7
+
+
+def test_newest_first_order():
+    with serve(create_app(config(order="newest"))) as url, RefServerClient(url) as c:
+        asyncio.run(_upload(url, [mk(0), mk(1)], [mk(2), mk(3)], [mk(4), mk(5)]))
+        time.sleep(0.2)  # let the pass-through loop move all of them to ready
+        got = c.get_batch(10, 10**6, wait_s=1)
+    assert [s.group_id for s in got] == ["4", "5", "2", "3", "0", "1"]
+
+
+def test_workers_register_expire_and_reregister():
+    async def main(url):
+        async with AsyncRefServerClient(url, retries=0) as a:
+            r = await a.register("w1", "http://127.0.0.1:9001", {"gpus": 0}, policy_version=1)
+            assert r["ttl_s"] == 0.6 and r["learner_version"] == 0
+            await a.register("w2", "http://127.0.0.1:9002", {}, 0)
+            with RefServerClient(url) as c:
+                assert sorted(w["id"] for w in c.workers()) == ["w1", "w2"]
+                for _ in range(8):  # w1 heartbeats, w2 falls silent
+                    assert await a.heartbeat("w1", 2)
+                    await asyncio.sleep(0.15)
+                live = c.workers()
+                assert [(w["id"], w["policy_version"]) for w in live] == [("w1", 2)]
+                assert {"id", "url", "capabilities", "policy_version", "last_seen"} <= set(live[0])
+                assert not await a.heartbeat("w2", 0)  # forgotten: told to re-register
+                await a.register("w2", "http://127.0.0.1:9022", {}, 3)
+                assert {w["id"]: w["url"] for w in c.workers()}["w2"] == "http://127.0.0.1:9022"
+                assert c.stats()["workers"]["expired_total"] == 1
+            with pytest.raises(RefServerError) as e:
+                await a.register("bad id", "http://x", {}, 0)
+            assert e.value.status == 400
+
+    with serve(create_app(config(worker_ttl_s=0.6))) as url:
+        asyncio.run(main(url))
+
+
+def test_bad_uploads_are_rejected_and_the_server_keeps_serving(tiny):
+    cfg = config(max_upload_bytes=20000, _extra=["grpo.beta=0.04"])
+    good = encode_samples([mk(1), mk(2)])
+    wrong_version = good.replace(b'"version":"1"', b'"version":"9"')
+    assert wrong_version != good
+    cases = {
+        "garbage": (b"\x00not safetensors at all" * 10, 400, "CorruptPayload"),
+        "truncated": (good[: len(good) - 17], 400, "CorruptPayload"),
+        "wrong version": (wrong_version, 400, "version"),
+        "wrong schema": (encode_weight_bucket([("w", torch.zeros(2))], 1, 0, 1), 400, "schema"),
+        "flipped byte": (good[:-3] + bytes([good[-3] ^ 0xFF]) + good[-2:], 400, "checksum"),
+        "oversize": (encode_samples([mk(i, p=200, c=2000) for i in range(2)]), 413, "limit"),
+        "out of vocab": (encode_samples([mk(1).model_copy(update={"prompt_ids": [60000]})]), 400, "vocabulary"),
+        "empty": (b"", 400, "too short"),
+    }
+    with serve(create_app(cfg, model=tiny)) as url, httpx.Client(base_url=url) as h:
+        for name, (body, status, words) in cases.items():
+            r = h.post("/upload", content=body, headers={"Content-Type": CONTENT_TYPE})
+            assert r.status_code == status, (name, r.text)
+            assert words.lower() in r.json()["detail"].lower(), (name, r.text)
+        r = h.post("/upload", json={"samples": []})
+        assert r.status_code == 400 and CONTENT_TYPE in r.json()["detail"]
+        r = h.post("/upload", content=good, headers={"Content-Type": CONTENT_TYPE})
+        assert r.status_code == 200 and r.json()["accepted"] == 2
+        stats = h.get("/stats").json()
+    assert stats["http"]["uploads_rejected"] == 8 and stats["http"]["uploads_too_large"] == 1
+    assert stats["queue"]["samples_in"] == 2
+
+
+def test_group_that_can_never_fit_gets_413_not_503():
+    with serve(create_app(config(max_queue_samples=2))) as url, httpx.Client(base_url=url) as h:
+        r = h.post("/upload", content=encode_samples([mk(i) for i in range(3)]))
+        assert r.status_code == 413 and "never fit" in r.json()["detail"]
+        assert h.post("/upload", content=encode_samples([mk(1), mk(2)])).status_code == 200
+        r = h.post("/upload", content=encode_samples([mk(3)]))
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+
+def test_batch_answers_204_after_the_wait_without_spinning():
+    with serve(create_app(config())) as url, RefServerClient(url) as c:
+        cpu0, t0 = time.process_time(), time.monotonic()
+        assert c.get_batch(4, 1000, wait_s=1.0) is None
+        waited, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        assert 0.95 <= waited < 3.0
+        assert cpu < 0.3, f"{cpu:.2f}s of CPU while waiting: a busy loop?"
+        # min_samples: waits for the rest, then returns what is ready when the wait ends
+        asyncio.run(_upload(url, [mk(1)]))
+        t0 = time.monotonic()
+        got = c.get_batch(4, 1000, wait_s=0.5, min_samples=3)
+        assert [s.group_id for s in got] == ["1"] and time.monotonic() - t0 >= 0.45
+
+
+def test_bearer_token_required_except_health():
+    cfg = config(token="s3cret")
+    with serve(create_app(cfg)) as url, httpx.Client(base_url=url) as h:
+        assert h.get("/health").status_code == 200
+        for method, path in [("GET", "/stats"), ("GET", "/batch"), ("POST", "/upload"), ("GET", "/workers"),
+                             ("GET", "/metrics"), ("POST", "/version")]:
+            assert h.request(method, path).status_code == 401, path
+            assert h.request(method, path, headers={"Authorization": "Bearer nope"}).status_code == 401, path
+        with RefServerClient(url, token="s3cret") as c:
+            asyncio.run(_upload(url, [mk(1)], token="s3cret"))
+            assert c.get_batch(1, 100, wait_s=2)[0].group_id == "1"
+        with pytest.raises(RefServerError) as e:
+            asyncio.run(_upload(url, [mk(1)]))
+        assert e.value.status == 401
+
+
+def test_beta_zero_passes_through_and_loads_no_model(monkeypatch):
+    def boom(cfg):
+        raise AssertionError("beta=0 must not load a reference model")
+
+    monkeypatch.setattr(reference_mod, "load_reference_model", boom)
+    with serve(create_app(config())) as url, RefServerClient(url) as c:
+        asyncio.run(_upload(url, [mk(1), mk(2)]))
+        got = c.get_batch(10, 10**6, wait_s=2)
+        stats = c.stats()
+        metrics = httpx.get(f"{url}/metrics").text
+    assert [s.ref_logprobs for s in got] == [None, None]
+    assert stats["reference"]["enabled"] is False and stats["reference"]["tokens_total"] == 0
+    assert "toolrl_ref_samples_out_total 2.0" in metrics and "toolrl_ref_queue_samples 0.0" in metrics
+
+
+def test_retried_upload_and_batch_are_answered_once():
+    with serve(create_app(config())) as url, httpx.Client(base_url=url) as h:
+        body = encode_samples([mk(1)])
+        hdr = {"Content-Type": CONTENT_TYPE, "X-Upload-Id": "abc"}
+        assert h.post("/upload", content=body, headers=hdr).json().get("duplicate") is None
+        assert h.post("/upload", content=body, headers=hdr).json()["duplicate"] is True
+        q = {"max_samples": 5, "max_tokens": 1000, "wait_s": 2, "request_id": "r1"}
+        first = h.get("/batch", params=q)
+        again = h.get("/batch", params=q)  # the response was "lost": the retry gets the same batch
+        assert first.status_code == 200 and again.content == first.content
+        stats = h.get("/stats").json()["queue"]
+    assert stats["samples_in"] == 1 and stats["samples_out"] == 1

@@ -1,0 +1,187 @@
+"""The reference server's parts on their own: queue bounds/order/staleness, batch planning, registry."""
+import asyncio
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from toolrl.protocol import Sample
+from toolrl.refserver.app import Replay
+from toolrl.refserver.queue import AsyncSampleQueue, GroupTooLarge, QueueFull, SampleQueue, sample_nbytes
+from toolrl.refserver.reference import plan_batches
+from toolrl.refserver.registry import RegistryError, WorkerRegistry
+
+
+def mk(tag: int, version: int = 0, n_comp: int = 4, source: str = "policy") -> Sample:
+    return Sample(prompt_ids=[tag % 1000 + 1, 2], completion_ids=[3] * n_comp, loss_mask=[1] * n_comp,
+                  logprobs=[-1.0] * n_comp, group_id=f"g{tag}", policy_version=version, source=source)
+
+
+def tags(entries) -> list[str]:
+    return [e.sample.group_id for e in entries]
+
+
+def drain(q: SampleQueue, window_tokens: int = 10**9):
+    """Run the reference step synchronously: every pending window completes."""
+    while q.pending:
+        q.complete(w := q.take_pending(window_tokens), None)
+        assert w
+
+
+def test_bounds_by_samples_and_bytes_and_group_atomicity():
+    q = SampleQueue(max_samples=5, max_bytes=10**9)
+    q.put([mk(0), mk(1), mk(2)])
+    with pytest.raises(QueueFull):
+        q.put([mk(3), mk(4), mk(5)])  # 3 more would make 6 > 5: nothing of the group is taken
+    assert q.samples == 3 and q.counters.rejected_full == 1
+    q.put([mk(3), mk(4)])
+    with pytest.raises(GroupTooLarge):
+        q.put([mk(i) for i in range(6)])  # can never fit
+    one = sample_nbytes(mk(0, n_comp=100))
+    qb = SampleQueue(max_samples=100, max_bytes=3 * one)
+    for i in range(3):
+        qb.put([mk(i, n_comp=100)])
+    with pytest.raises(QueueFull):
+        qb.put([mk(9, n_comp=100)])
+    assert qb.nbytes == 3 * one and qb.counters.high_water_bytes == 3 * one
+    drain(qb)
+    assert tags(qb.take_ready(1, 10**9)) == ["g0"]
+    qb.put([mk(9, n_comp=100)])  # the delivered sample's bytes were released
+    assert qb.samples == 3
+
+
+def test_fifo_delivers_in_upload_order_with_token_caps():
+    q = SampleQueue(100, 10**9)
+    for g in range(4):
+        q.put([mk(10 * g), mk(10 * g + 1)])
+    q.complete(q.take_pending(13), None)  # windows are whole groups: 2 groups of 12 tokens > 13 -> one
+    assert q.ready == 2 and q.pending == 6
+    drain(q)
+    out = q.take_ready(3, 10**9)
+    assert tags(out) == ["g0", "g1", "g10"]
+    assert tags(q.take_ready(10, 12)) == ["g11", "g20"]  # 6 tokens each: the cap stops at 2
+    big = SampleQueue(10, 10**9)
+    big.put([mk(1, n_comp=50)])
+    drain(big)
+    assert tags(big.take_ready(5, 10)) == ["g1"]  # larger than max_tokens: delivered alone, not stuck
+
+
+def test_newest_first_keeps_groups_whole():
+    q = SampleQueue(100, 10**9, order="newest")
+    for g in range(3):
+        q.put([mk(10 * g), mk(10 * g + 1)])
+    first = q.take_pending(12)  # newest group first
+    assert tags(first) == ["g20", "g21"]
+    q.complete(first, None)
+    q.put([mk(30), mk(31)])
+    drain(q)
+    assert tags(q.take_ready(100, 10**9)) == ["g30", "g31", "g20", "g21", "g10", "g11", "g0", "g1"]
+
+
+def test_stale_samples_dropped_and_counted_everywhere():
+    q = SampleQueue(100, 10**9, max_staleness=2)
+    q.set_version(5)
+    adm = q.put([mk(1, version=2), mk(2, version=3), mk(3, version=0, source="teacher")])
+    assert (adm.accepted, adm.dropped_stale) == (2, 1)
+    q.put([mk(4, version=4)])
+    q.complete(q.take_pending(6), None)  # g2 + teacher ready, g4 pending
+    assert q.set_version(6) == 1  # g2 (v3 < 6-2) dropped from ready; g4 (v4) survives
+    q.put([mk(5, version=5)])
+    q.set_version(7)  # 4 < 5: g4 is now stale while pending
+    drain(q)
+    assert tags(q.take_ready(10, 10**9)) == ["g3", "g5"]
+    assert q.counters.dropped_stale == 3 and q.samples == 0 and q.nbytes == 0
+    assert q.counters.samples_in == q.counters.samples_out + q.counters.dropped_stale - 1  # g1 never got in
+
+
+def test_failed_samples_are_released_and_counted():
+    q = SampleQueue(10, 10**9)
+    q.put([mk(1), mk(2)])
+    w = q.take_pending(100)
+    q.fail(w[:1])
+    q.complete(w[1:], [[-0.5] * 4])
+    assert q.counters.dropped_failed == 1 and q.samples == 1
+    assert q.take_ready(5, 100)[0].sample.ref_logprobs == [-0.5] * 4
+
+
+def test_async_put_waits_its_turn_then_times_out():
+    async def main():
+        q = AsyncSampleQueue(SampleQueue(2, 10**9), max_upload_waiters=2)
+        await q.put([mk(1), mk(2)])
+        order = []
+
+        async def producer(tag):
+            await q.put([mk(tag)], wait_s=5)
+            order.append(tag)
+
+        t1 = asyncio.create_task(producer(3))
+        await asyncio.sleep(0.01)
+        t2 = asyncio.create_task(producer(4))
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFull, match="waiting"):  # waiters are bounded
+            await q.put([mk(5)], wait_s=5)
+        with pytest.raises(QueueFull):
+            await q.put([mk(6)], wait_s=0)  # no jumping ahead of waiters
+        for _ in range(2):
+            q.complete(q.core.take_pending(100), None)
+            q.core.take_ready(1, 100)
+            q.notify()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(t1, t2)
+        assert order == [3, 4]
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(QueueFull, match="after waiting"):
+            await q.put([mk(7)], wait_s=0.2)
+        assert 0.15 < asyncio.get_running_loop().time() - t0 < 1.0
+        # min_samples not reached within wait_s: what is ready comes back after the wait
+        got = await q.take_batch(5, 100, min_samples=5, wait_s=0.1)
+        assert tags(got) == ["g3"]
+        q.complete(q.core.take_pending(100), None)
+        assert tags(await q.take_batch(5, 100)) == ["g4"]
+        assert await q.take_batch(5, 100, wait_s=0.05) == []  # nothing ready: empty after the wait, no hang
+
+    asyncio.run(main())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=60), st.integers(64, 8192))
+def test_plan_batches_partitions_and_respects_budget(lengths, budget):
+    batches = plan_batches(lengths, budget)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        longest = max(lengths[i] for i in b)
+        assert len(b) == 1 or len(b) * longest <= budget
+    # Sorted by length: batches do not interleave, so padding is bounded by neighbouring lengths.
+    spans = [(min(lengths[i] for i in b), max(lengths[i] for i in b)) for b in batches]
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+def test_registry_expiry_and_reregistration():
+    now = [100.0]
+    expired = []
+    reg = WorkerRegistry(ttl_s=10, max_workers=2, clock=lambda: now[0], on_expire=expired.append)
+    reg.register("w1", "http://127.0.0.1:1", {"gpus": 1}, 3)
+    reg.register("w2", "http://127.0.0.1:2")
+    with pytest.raises(RegistryError) as e:
+        reg.register("w3", "http://127.0.0.1:3")
+    assert e.value.status == 409
+    now[0] += 6
+    assert reg.heartbeat("w1", 4).policy_version == 4
+    now[0] += 6  # w2 silent for 12 s > 10
+    assert [w["id"] for w in reg.live()] == ["w1"] and [w.id for w in expired] == ["w2"]
+    assert reg.heartbeat("w2") is None
+    reg.register("w2", "http://127.0.0.1:22")
+    assert {w["id"]: w["url"] for w in reg.live()} == {"w1": "http://127.0.0.1:1", "w2": "http://127.0.0.1:22"}
+    for bad in [("", "http://x"), ("a b", "http://x"), ("w", "ftp://x"), ("w", "not a url")]:
+        with pytest.raises(RegistryError):
+            reg.register(*bad)
+    with pytest.raises(RegistryError, match="capabilities"):
+        reg.register("w9", "http://x", {"blob": "x" * 20000})
+
+
+def test_replay_cache_is_bounded():
+    r = Replay(max_entries=2, ttl_s=60)
+    for k in "abc":
+        r.put(k, k.upper())
+    assert r.get("a") is None and r.get("c") == "C"

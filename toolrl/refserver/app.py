@@ -1,0 +1,257 @@
+"""The reference server's HTTP API (FastAPI). See docs/REF_SERVER.md for the contract.
+
+Bodies of /upload and /batch are the wire format of toolrl.protocol; everything else is JSON.
+Every endpoint but /health requires the bearer token when one is configured.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..config import Config
+from ..protocol import CONTENT_TYPE, PayloadTooLarge, WireFormatError, decode_samples, encode_samples
+from ..service import bearer_auth, install_error_handlers, read_body_capped
+from . import metrics
+from .queue import AsyncSampleQueue, GroupTooLarge, QueueFull, SampleQueue
+from .reference import Reference
+from .registry import RegistryError, WorkerRegistry
+
+MAX_UPLOAD_WAIT_S = 60.0  # a client may ask /upload to wait this long for space
+MAX_UPLOAD_WAITERS = 64  # uploads waiting for space at once (each holds its decoded group)
+
+
+class Replay:
+    """Answers to recent requests keyed by a client-chosen id, so a retry (after a lost response)
+    gets the first answer instead of a duplicate upload or a lost batch. Bounded by count and age."""
+
+    def __init__(self, max_entries: int, ttl_s: float):
+        self.max_entries, self.ttl_s = max_entries, ttl_s
+        self._done: OrderedDict[str, tuple[float, Any]] = OrderedDict()
+        self.in_flight: set[str] = set()
+
+    def get(self, key: str) -> Any | None:
+        now = time.monotonic()
+        while self._done and now - next(iter(self._done.values()))[0] > self.ttl_s:
+            self._done.popitem(last=False)
+        hit = self._done.get(key)
+        return None if hit is None else hit[1]
+
+    def put(self, key: str, value: Any) -> None:
+        self._done[key] = (time.monotonic(), value)
+        self._done.move_to_end(key)
+        while len(self._done) > self.max_entries:
+            self._done.popitem(last=False)
+
+
+class RegisterBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    url: str
+    capabilities: dict[str, Any] = Field(default_factory=dict)
+    policy_version: int = Field(0, ge=0)
+
+
+class HeartbeatBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policy_version: int | None = Field(None, ge=0)
+
+
+class VersionBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=0)
+
+
+def _busy(detail: str) -> HTTPException:
+    return HTTPException(status_code=503, detail=detail, headers={"Retry-After": "1"})
+
+
+def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) -> FastAPI:
+    """The app for `cfg`. `model` injects an already loaded reference model (tests, benchmarks)."""
+    log = log or logging.getLogger("ref_server")
+    rs = cfg.ref_server
+    reference = Reference(cfg, model=model, log=log)
+    queue = AsyncSampleQueue(SampleQueue(rs.max_queue_samples, rs.max_queue_bytes, rs.order, rs.max_staleness),
+                             max_upload_waiters=MAX_UPLOAD_WAITERS)
+    registry = WorkerRegistry(rs.worker_ttl_s, on_expire=lambda w: log.warning(
+        "worker %s (%s) expired: no heartbeat for %.0fs", w.id, w.url, rs.worker_ttl_s))
+    uploads, batches = Replay(10_000, 600.0), Replay(8, 600.0)
+    http = {"uploads_rejected": 0, "uploads_too_large": 0}
+    started = time.monotonic()
+    tasks: list[asyncio.Task] = []
+
+    def stats() -> dict[str, Any]:
+        return {"queue": {**queue.core.stats(), "upload_waiters": queue.upload_waiters},
+                "reference": reference.stats(), "workers": registry.stats(), "http": dict(http),
+                "uptime_s": round(time.monotonic() - started, 3)}
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(min(5.0, max(0.2, rs.worker_ttl_s / 4)))
+            registry.expire()
+
+    def watch(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %s died: %r", task.get_name(), task.exception())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tasks[:] = [asyncio.create_task(reference.run(queue), name="reference"),
+                    asyncio.create_task(sweep(), name="registry-sweep")]
+        for t in tasks:
+            t.add_done_callback(watch)
+        log.info("reference server ready: reference=%s, queue %d samples / %d bytes, order=%s",
+                 cfg.model.name if reference.enabled else "disabled (beta=0)", rs.max_queue_samples,
+                 rs.max_queue_bytes, rs.order)
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.to_thread(reference.close)
+
+    app = FastAPI(title="toolrl reference server", lifespan=lifespan)
+    app.state.queue, app.state.reference, app.state.registry, app.state.stats = queue, reference, registry, stats
+    install_error_handlers(app, log)
+    auth = [Depends(bearer_auth(rs.token))]
+    registry_metrics = metrics.metrics_registry(stats)
+
+    def reject(status: int, reason: str) -> HTTPException:
+        http["uploads_too_large" if status == 413 else "uploads_rejected"] += 1
+        log.warning("upload rejected (%d): %s", status, reason)
+        return HTTPException(status_code=status, detail=reason)
+
+    @app.post("/upload", dependencies=auth)
+    async def upload(request: Request, wait_s: float = Query(0.0, ge=0, le=MAX_UPLOAD_WAIT_S)):
+        upload_id = request.headers.get("x-upload-id")
+        if upload_id is not None:
+            if len(upload_id) > 128:
+                raise reject(400, "X-Upload-Id is longer than 128 characters")
+            if (done := uploads.get(upload_id)) is not None:
+                return {**done, "duplicate": True}
+            if upload_id in uploads.in_flight:
+                raise _busy(f"upload {upload_id} is still being admitted; retry")
+        ctype = request.headers.get("content-type", "")
+        if ctype.startswith(("application/json", "text/")):
+            raise reject(400, f"expected a {CONTENT_TYPE} body (toolrl.protocol.encode_samples), got {ctype}")
+        try:
+            body = await read_body_capped(request, rs.max_upload_bytes)
+        except HTTPException as exc:
+            raise reject(exc.status_code, str(exc.detail)) from None
+        try:
+            samples, _extra = await asyncio.to_thread(decode_samples, body, rs.max_upload_bytes)
+            reference.validate(samples)
+        except PayloadTooLarge as exc:
+            raise reject(413, str(exc)) from None
+        except WireFormatError as exc:
+            raise reject(400, f"malformed upload ({type(exc).__name__}): {exc}") from None
+        except ValueError as exc:
+            raise reject(400, f"unusable upload: {exc}") from None
+        if upload_id is not None:
+            uploads.in_flight.add(upload_id)
+        try:
+            adm = await queue.put(samples, wait_s)
+        except GroupTooLarge as exc:
+            raise reject(413, str(exc)) from None
+        except QueueFull as exc:
+            raise _busy(str(exc)) from None
+        finally:
+            uploads.in_flight.discard(upload_id)
+        result = {"accepted": adm.accepted, "dropped_stale": adm.dropped_stale,
+                  "queue_samples": queue.core.samples, "learner_version": queue.core.learner_version}
+        if adm.dropped_stale:
+            log.info("upload: dropped %d stale samples (learner at v%d, max_staleness %d)", adm.dropped_stale,
+                     queue.core.learner_version, rs.max_staleness)
+        if upload_id is not None:
+            uploads.put(upload_id, result)
+        return result
+
+    @app.get("/batch", dependencies=auth)
+    async def batch(request: Request, max_samples: int = Query(64, ge=1, le=1 << 20),
+                    max_tokens: int = Query(1 << 20, ge=1), min_samples: int = Query(1, ge=1),
+                    wait_s: float | None = Query(None, ge=0, le=300),
+                    request_id: str | None = Query(None, max_length=128)):
+        if request_id is not None:
+            if (done := batches.get(request_id)) is not None:
+                return Response(done, media_type=CONTENT_TYPE)
+            if request_id in batches.in_flight:
+                raise _busy(f"batch request {request_id} is still in progress; retry")
+            batches.in_flight.add(request_id)
+        try:
+            entries = await queue.take_batch(max_samples, max_tokens, min_samples,
+                                             rs.batch_wait_s if wait_s is None else wait_s,
+                                             client_gone=request.is_disconnected)
+            if not entries:
+                return Response(status_code=204, headers={"X-Queue-Samples": str(queue.core.samples)})
+            now = time.monotonic()
+            extra = {"learner_version": queue.core.learner_version, "queue_samples": queue.core.samples,
+                     "compute_s": [round(e.compute_s, 6) for e in entries],
+                     "queue_s": [round(now - e.enqueued_at, 6) for e in entries]}
+            body = await asyncio.to_thread(encode_samples, [e.sample for e in entries], ref_server=extra)
+            if request_id is not None:
+                batches.put(request_id, body)
+            return Response(body, media_type=CONTENT_TYPE)
+        finally:
+            if request_id is not None:
+                batches.in_flight.discard(request_id)
+
+    @app.post("/version", dependencies=auth)
+    async def version(body: VersionBody):
+        old = queue.core.learner_version
+        if body.version < old:
+            log.warning("learner version went back from %d to %d (resumed from a checkpoint?)", old, body.version)
+        dropped = queue.set_version(body.version)
+        if dropped:
+            log.info("learner v%d: dropped %d stale samples", body.version, dropped)
+        return {"version": body.version, "previous": old, "dropped_stale": dropped}
+
+    @app.post("/workers", dependencies=auth)
+    async def register(body: RegisterBody):
+        try:
+            w = registry.register(body.id, body.url, body.capabilities, body.policy_version)
+        except RegistryError as exc:
+            raise HTTPException(status_code=exc.status, detail=str(exc)) from None
+        log.info("worker %s registered at %s (policy v%d)", w.id, w.url, w.policy_version)
+        return {**w.public(time.monotonic()), "ttl_s": rs.worker_ttl_s,
+                "learner_version": queue.core.learner_version}
+
+    @app.post("/workers/{worker_id}/heartbeat", dependencies=auth)
+    async def heartbeat(worker_id: str, body: HeartbeatBody | None = None):
+        w = registry.heartbeat(worker_id, body.policy_version if body else None)
+        if w is None:
+            raise HTTPException(status_code=404, detail=f"unknown or expired worker {worker_id!r}; register again")
+        return {"ok": True, "ttl_s": rs.worker_ttl_s, "learner_version": queue.core.learner_version}
+
+    @app.delete("/workers/{worker_id}", dependencies=auth)
+    async def deregister(worker_id: str):
+        return {"removed": registry.remove(worker_id)}
+
+    @app.get("/workers", dependencies=auth)
+    async def workers():
+        return {"workers": registry.live(), "learner_version": queue.core.learner_version}
+
+    @app.get("/health")
+    async def health():
+        alive = bool(tasks) and not tasks[0].done()
+        body = {"status": "ok" if alive else "reference loop stopped",
+                "reference": cfg.model.name if reference.enabled else "disabled",
+                "uptime_s": round(time.monotonic() - started, 3)}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/stats", dependencies=auth)
+    async def get_stats():
+        return stats()
+
+    @app.get("/metrics", dependencies=auth)
+    async def get_metrics():
+        return Response(metrics.render(registry_metrics), media_type="text/plain; version=0.0.4")
+
+    return app

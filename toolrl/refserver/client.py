@@ -1,0 +1,241 @@
+"""Clients of the reference server: async for the gen worker, sync for the learner.
+
+Transient trouble (connection errors, 502/503/504, a full queue) is retried with backoff inside a
+bounded time; a request the server rejects for its content (400, 401, 413, 422) raises
+`RefServerError` at once, since retrying cannot help. Retries are safe: uploads carry an
+`X-Upload-Id` and batch requests a `request_id`, so the server answers a retry with the first
+answer instead of taking a group twice or losing a batch whose response was lost.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from ..protocol import CONTENT_TYPE, Sample, decode_samples, encode_samples
+from ..service import auth_headers
+
+log = logging.getLogger("toolrl.refserver.client")
+_RETRY_STATUS = (502, 503, 504)
+SERVER_MAX_BATCH_WAIT_S = 300.0  # the server caps /batch?wait_s at this
+
+
+class RefServerUnavailable(RuntimeError):
+    """The server could not be reached, or stayed full, for longer than the allowed wait."""
+
+
+class RefServerError(RuntimeError):
+    """The server rejected the request itself (bad payload, auth, size); retrying will not help."""
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(f"reference server answered {status}: {detail}")
+        self.status, self.detail = status, detail
+
+
+def _detail(r: httpx.Response) -> str:
+    try:
+        d = r.json().get("detail")
+        return d if isinstance(d, str) else str(d)
+    except Exception:  # noqa: BLE001 - any odd body: show the raw text
+        return r.text[:500]
+
+
+def _retry_after(r: httpx.Response | None) -> float:
+    try:
+        return max(0.0, float(r.headers.get("retry-after", 0))) if r is not None else 0.0
+    except ValueError:
+        return 1.0
+
+
+def _backoff(attempt: int, floor: float = 0.0, cap: float = 5.0) -> float:
+    return max(floor, min(cap, 0.1 * 2 ** attempt)) * random.uniform(1.0, 1.25)
+
+
+class AsyncRefServerClient:
+    """For the gen worker (asyncio). `max_wait_s` bounds how long `upload` keeps retrying."""
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0, max_wait_s: float = 1800.0,
+                 upload_wait_s: float = 10.0, retries: int = 4):
+        self.url, self.timeout_s, self.max_wait_s, self.retries = url.rstrip("/"), timeout_s, max_wait_s, retries
+        self.upload_wait_s = upload_wait_s  # asks the server to hold a full-queue upload this long
+        self._http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(token), timeout=timeout_s)
+        self.upload_waits = 0  # 503s seen by upload: how often backpressure made us wait
+
+    async def upload(self, samples: list[Sample], *, max_wait_s: float | None = None) -> dict[str, Any]:
+        """Upload one group; returns the server's answer ({accepted, dropped_stale, ...}) once accepted.
+        Waits (never drops) while the server is full or unreachable, up to `max_wait_s`."""
+        body = encode_samples(samples) if len(samples) < 64 else await asyncio.to_thread(encode_samples, samples)
+        headers = {"Content-Type": CONTENT_TYPE, "X-Upload-Id": uuid.uuid4().hex}
+        limit = self.max_wait_s if max_wait_s is None else max_wait_s
+        deadline = time.monotonic() + limit
+        attempt, reason = 0, ""
+        while True:
+            t0, r = time.monotonic(), None
+            wait = min(self.upload_wait_s, max(0.0, deadline - t0))
+            try:
+                r = await self._http.post("/upload", content=body, headers=headers, params={"wait_s": round(wait, 3)},
+                                          timeout=self.timeout_s + wait)
+                if r.status_code == 200:
+                    return r.json()
+                if r.status_code not in _RETRY_STATUS:
+                    raise RefServerError(r.status_code, _detail(r))
+                reason = f"{r.status_code}: {_detail(r)}"
+                self.upload_waits += 1
+            except httpx.TransportError as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            now = time.monotonic()
+            if now >= deadline:
+                raise RefServerUnavailable(f"upload not accepted within {limit:.0f}s; last: {reason}")
+            # The server already held us `wait` seconds: go again at once. Otherwise honour Retry-After.
+            held = r is not None and r.status_code == 503 and now - t0 >= wait * 0.9 and wait > 0
+            pause = 0.0 if held else _backoff(attempt, _retry_after(r))
+            attempt += 1
+            if attempt % 10 == 0:
+                log.info("upload still waiting (%d tries): %s", attempt, reason)
+            await asyncio.sleep(min(pause, max(0.0, deadline - now)))
+
+    async def _request(self, method: str, path: str, ok: tuple[int, ...] = (200,), **kw) -> httpx.Response:
+        reason = ""
+        for attempt in range(self.retries + 1):
+            r = None
+            try:
+                r = await self._http.request(method, path, **kw)
+                if r.status_code in ok:
+                    return r
+                if r.status_code not in _RETRY_STATUS:
+                    raise RefServerError(r.status_code, _detail(r))
+                reason = f"{r.status_code}: {_detail(r)}"
+            except httpx.TransportError as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            if attempt < self.retries:
+                await asyncio.sleep(_backoff(attempt, _retry_after(r)))
+        raise RefServerUnavailable(f"{method} {path} failed after {self.retries + 1} tries; last: {reason}")
+
+    async def register(self, worker_id: str, url: str, capabilities: dict[str, Any] | None = None,
+                       policy_version: int = 0) -> dict[str, Any]:
+        """Register (or re-register) this worker. The answer includes `learner_version` and `ttl_s`."""
+        r = await self._request("POST", "/workers", json={"id": worker_id, "url": url,
+                                                          "capabilities": capabilities or {},
+                                                          "policy_version": policy_version})
+        return r.json()
+
+    async def heartbeat(self, worker_id: str, policy_version: int) -> bool:
+        """True if the server knows us; False if it forgot us (expired or restarted): register again."""
+        r = await self._request("POST", f"/workers/{worker_id}/heartbeat", ok=(200, 404),
+                                json={"policy_version": policy_version})
+        return r.status_code == 200
+
+    async def deregister(self, worker_id: str) -> bool:
+        r = await self._request("DELETE", f"/workers/{worker_id}")
+        return bool(r.json().get("removed"))
+
+    async def keep_registered(self, worker_id: str, url: str, capabilities: dict[str, Any],
+                              policy_version: Callable[[], int], interval_s: float = 5.0) -> None:
+        """Register, then heartbeat every `interval_s` and re-register when forgotten. Runs until cancelled;
+        server trouble is logged and retried, never raised."""
+        registered = False
+        while True:
+            try:
+                if not registered:
+                    await self.register(worker_id, url, capabilities, policy_version())
+                    registered = True
+                elif not await self.heartbeat(worker_id, policy_version()):
+                    log.warning("reference server forgot worker %s; registering again", worker_id)
+                    registered = False
+                    continue
+            except (RefServerUnavailable, RefServerError) as exc:
+                log.warning("registry: %s", exc)
+            await asyncio.sleep(interval_s)
+
+    async def health(self) -> bool:
+        try:
+            return (await self._http.get("/health", timeout=min(5.0, self.timeout_s))).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def stats(self) -> dict[str, Any]:
+        return (await self._request("GET", "/stats")).json()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncRefServerClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class RefServerClient:
+    """For the learner (synchronous). Every call is bounded by `timeout_s` (plus the batch wait)
+    and `retries` retries of transient failures, then raises RefServerUnavailable."""
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0, retries: int = 4):
+        self.url, self.timeout_s, self.retries = url.rstrip("/"), timeout_s, retries
+        self._http = httpx.Client(base_url=self.url, headers=auth_headers(token), timeout=timeout_s)
+        self.last_batch_meta: dict[str, Any] = {}  # the server's notes on the last batch (versions, timings)
+
+    def _request(self, method: str, path: str, ok: tuple[int, ...] = (200,), **kw) -> httpx.Response:
+        reason = ""
+        for attempt in range(self.retries + 1):
+            r = None
+            try:
+                r = self._http.request(method, path, **kw)
+                if r.status_code in ok:
+                    return r
+                if r.status_code not in _RETRY_STATUS:
+                    raise RefServerError(r.status_code, _detail(r))
+                reason = f"{r.status_code}: {_detail(r)}"
+            except httpx.TransportError as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            if attempt < self.retries:
+                time.sleep(_backoff(attempt, _retry_after(r)))
+        raise RefServerUnavailable(f"{method} {path} failed after {self.retries + 1} tries; last: {reason}")
+
+    def get_batch(self, max_samples: int, max_tokens: int, wait_s: float | None = None,
+                  min_samples: int = 1) -> list[Sample] | None:
+        """The next batch (with ref_logprobs when the server has a reference), or None if nothing became
+        ready within `wait_s` (default: the server's batch_wait_s). Waits for up to `min_samples`."""
+        params: dict[str, Any] = {"max_samples": max_samples, "max_tokens": max_tokens, "min_samples": min_samples,
+                                  "request_id": uuid.uuid4().hex}
+        if wait_s is not None:
+            params["wait_s"] = wait_s
+        server_wait = SERVER_MAX_BATCH_WAIT_S if wait_s is None else wait_s
+        r = self._request("GET", "/batch", ok=(200, 204), params=params, timeout=self.timeout_s + server_wait)
+        if r.status_code == 204:
+            self.last_batch_meta = {}
+            return None
+        samples, extra = decode_samples(r.content, max_bytes=max(len(r.content), 1))
+        self.last_batch_meta = extra.get("ref_server", {})
+        return samples
+
+    def set_version(self, version: int) -> dict[str, Any]:
+        return self._request("POST", "/version", json={"version": version}).json()
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Live workers: each {id, url, capabilities, policy_version, last_seen, ...}."""
+        return self._request("GET", "/workers").json()["workers"]
+
+    def stats(self) -> dict[str, Any]:
+        return self._request("GET", "/stats").json()
+
+    def health(self) -> bool:
+        try:
+            return self._http.get("/health", timeout=min(5.0, self.timeout_s)).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RefServerClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

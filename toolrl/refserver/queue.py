@@ -1,0 +1,339 @@
+"""The bounded sample queue between uploads, the reference model and the learner.
+
+Every sample held (waiting for reference logprobs, being computed, or ready for the learner)
+counts against both bounds: `max_samples` and `max_bytes` (an estimate of its resident Python
+size, not its wire size, since memory is what the bound protects). A group is admitted whole or
+not at all. Samples leave only by delivery, by the staleness rule or by a reference failure, and
+each way is counted.
+
+Order: "fifo" delivers in upload order; "newest" delivers the newest upload first. The reference
+loop takes windows of pending samples in that same order and completes a window all at once, so
+the ready set never holds a later sample while an earlier one is still computing.
+
+`SampleQueue` is the synchronous core (no locks: it is only touched from the event loop thread).
+`AsyncSampleQueue` adds the waits: uploads that wait their turn for space (fair, first come first
+served, a bounded number of waiters) and learners that wait for ready samples, each with a timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from ..protocol import Sample
+
+
+def sample_nbytes(s: Sample) -> int:
+    """Estimated resident bytes of a Sample (calibrated with tracemalloc: ~36 B per token id held in a
+    Python list, ~32 B per float, plus ref_logprobs to come)."""
+    p, c = len(s.prompt_ids), len(s.completion_ids)
+    tools = sum(len(t.code) + len(t.output) + 200 for t in s.tool_calls)
+    return 1024 + 40 * p + 110 * c + len(s.text) + len(s.stop_reason) + 100 * len(s.rewards) + tools
+
+
+class QueueFull(Exception):
+    """No room for the group now; retry later (HTTP 503)."""
+
+
+class GroupTooLarge(Exception):
+    """The group can never fit in this queue (HTTP 413)."""
+
+
+@dataclass
+class Entry:
+    seq: int
+    group: int  # upload number: groups are admitted, computed and (in order) delivered whole
+    sample: Sample
+    nbytes: int
+    tokens: int
+    enqueued_at: float
+    compute_s: float = 0.0  # reference time of the window this sample was computed in
+
+
+@dataclass
+class Admission:
+    accepted: int
+    dropped_stale: int
+
+
+@dataclass
+class Counters:
+    samples_in: int = 0
+    samples_out: int = 0
+    dropped_stale: int = 0
+    dropped_failed: int = 0
+    groups_in: int = 0
+    rejected_full: int = 0  # uploads answered "full" (503)
+    waited_full: int = 0  # uploads that found the queue full and waited for space
+    high_water_samples: int = 0
+    high_water_bytes: int = 0
+    staleness: dict[int, int] = field(default_factory=dict)  # learner_version - policy_version at delivery
+
+
+class SampleQueue:
+    def __init__(self, max_samples: int, max_bytes: int, order: str = "fifo", max_staleness: int = 4,
+                 clock: Callable[[], float] = time.monotonic):
+        if order not in ("fifo", "newest"):
+            raise ValueError(f"order must be fifo or newest, got {order!r}")
+        self.max_samples, self.max_bytes, self.order = max_samples, max_bytes, order
+        self.max_staleness = max_staleness
+        self.learner_version = 0
+        self.clock = clock
+        self.counters = Counters()
+        self._seq = itertools.count()
+        self._groups = itertools.count()
+        self._pending: deque[list[Entry]] = deque()  # whole groups, ascending upload number
+        self._npending = 0
+        self._computing: dict[int, Entry] = {}
+        self._ready: list[tuple[tuple[int, ...], Entry]] = []  # heap keyed by delivery priority
+        self.samples = 0
+        self.nbytes = 0
+
+    # -- capacity ----------------------------------------------------------------------------
+    def fits(self, n: int, nbytes: int) -> bool:
+        return self.samples + n <= self.max_samples and self.nbytes + nbytes <= self.max_bytes
+
+    def check_admissible(self, n: int, nbytes: int) -> None:
+        if n > self.max_samples or nbytes > self.max_bytes:
+            raise GroupTooLarge(f"a group of {n} samples (~{nbytes} bytes held) can never fit in a queue of "
+                                f"{self.max_samples} samples / {self.max_bytes} bytes; upload smaller groups")
+
+    def is_stale(self, s: Sample) -> bool:
+        # Teacher samples are off-policy by design; the staleness rule is about policy lag.
+        return s.source == "policy" and s.policy_version < self.learner_version - self.max_staleness
+
+    # -- in ----------------------------------------------------------------------------------
+    def put(self, samples: list[Sample]) -> Admission:
+        """Admit a group whole (minus stale samples, which are dropped and counted) or raise QueueFull."""
+        fresh = [s for s in samples if not self.is_stale(s)]
+        dropped = len(samples) - len(fresh)
+        sizes = [sample_nbytes(s) for s in fresh]
+        self.check_admissible(len(fresh), sum(sizes))
+        if not self.fits(len(fresh), sum(sizes)):
+            self.counters.rejected_full += 1
+            raise QueueFull(f"queue full: {self.samples}/{self.max_samples} samples, "
+                            f"{self.nbytes}/{self.max_bytes} bytes held")
+        now = self.clock()
+        if fresh:
+            g = next(self._groups)
+            self._pending.append([Entry(next(self._seq), g, s, nb, s.num_tokens, now) for s, nb in zip(fresh, sizes)])
+            self._npending += len(fresh)
+        self.samples += len(fresh)
+        self.nbytes += sum(sizes)
+        self.counters.samples_in += len(fresh)
+        self.counters.dropped_stale += dropped
+        self.counters.groups_in += 1
+        self.counters.high_water_samples = max(self.counters.high_water_samples, self.samples)
+        self.counters.high_water_bytes = max(self.counters.high_water_bytes, self.nbytes)
+        return Admission(len(fresh), dropped)
+
+    # -- the reference loop ------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        return self._npending
+
+    def take_pending(self, max_tokens: int) -> list[Entry]:
+        """The next window in delivery order: whole groups up to `max_tokens` (at least one group)."""
+        self._drop_stale_pending()
+        window, tokens = [], 0
+        while self._pending:
+            group = self._pending[0] if self.order == "fifo" else self._pending[-1]
+            size = sum(e.tokens for e in group)
+            if window and tokens + size > max_tokens:
+                break
+            (self._pending.popleft if self.order == "fifo" else self._pending.pop)()
+            self._npending -= len(group)
+            for e in group:
+                self._computing[e.seq] = e
+            window.extend(group)
+            tokens += size
+        return window
+
+    def complete(self, entries: list[Entry], ref_logprobs: list[list[float]] | None, compute_s: float = 0.0) -> None:
+        for i, e in enumerate(entries):
+            del self._computing[e.seq]
+            if ref_logprobs is not None:
+                e.sample = e.sample.model_copy(update={"ref_logprobs": ref_logprobs[i]})
+            e.compute_s = compute_s
+            # newest: later uploads first, a group's own samples still in their order
+            heapq.heappush(self._ready, ((e.seq,) if self.order == "fifo" else (-e.group, e.seq), e))
+
+    def fail(self, entries: list[Entry]) -> None:
+        """Samples the reference could not compute: removed and counted (the caller logs them)."""
+        for e in entries:
+            del self._computing[e.seq]
+            self._release(e)
+        self.counters.dropped_failed += len(entries)
+
+    # -- out ---------------------------------------------------------------------------------
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def take_ready(self, max_samples: int, max_tokens: int) -> list[Entry]:
+        """Up to `max_samples` ready samples whose tokens sum to at most `max_tokens`, in delivery order.
+        A single sample larger than `max_tokens` is returned alone rather than blocking the queue."""
+        out, tokens = [], 0
+        while self._ready and len(out) < max_samples:
+            e = self._ready[0][1]
+            if self.is_stale(e.sample):
+                heapq.heappop(self._ready)
+                self._release(e)
+                self.counters.dropped_stale += 1
+                continue
+            if out and tokens + e.tokens > max_tokens:
+                break
+            heapq.heappop(self._ready)
+            self._release(e)
+            out.append(e)
+            tokens += e.tokens
+            lag = max(0, self.learner_version - e.sample.policy_version)
+            self.counters.staleness[lag] = self.counters.staleness.get(lag, 0) + 1
+        self.counters.samples_out += len(out)
+        return out
+
+    # -- the learner's version ---------------------------------------------------------------
+    def set_version(self, version: int) -> int:
+        """Record the learner's policy version and drop what it makes stale. Returns the number dropped."""
+        before = self.counters.dropped_stale
+        self.learner_version = version
+        self._drop_stale_pending()
+        keep = [(k, e) for k, e in self._ready if not self.is_stale(e.sample)]
+        for _, e in self._ready:
+            if self.is_stale(e.sample):
+                self._release(e)
+                self.counters.dropped_stale += 1
+        heapq.heapify(keep)
+        self._ready = keep
+        return self.counters.dropped_stale - before
+
+    def _drop_stale_pending(self) -> None:
+        if not any(self.is_stale(e.sample) for g in self._pending for e in g):
+            return
+        keep: deque[list[Entry]] = deque()
+        for group in self._pending:
+            fresh = [e for e in group if not self.is_stale(e.sample)]
+            for e in group:
+                if self.is_stale(e.sample):
+                    self._release(e)
+                    self.counters.dropped_stale += 1
+                    self._npending -= 1
+            if fresh:
+                keep.append(fresh)
+        self._pending = keep
+
+    def _release(self, e: Entry) -> None:
+        self.samples -= 1
+        self.nbytes -= e.nbytes
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {"samples": self.samples, "bytes": self.nbytes, "pending": self._npending,
+                "computing": len(self._computing), "ready": len(self._ready),
+                "max_samples": self.max_samples, "max_bytes": self.max_bytes, "order": self.order,
+                "max_staleness": self.max_staleness, "learner_version": self.learner_version,
+                "samples_in": c.samples_in, "samples_out": c.samples_out, "groups_in": c.groups_in,
+                "dropped_stale": c.dropped_stale, "dropped_failed": c.dropped_failed,
+                "rejected_full": c.rejected_full, "waited_full": c.waited_full,
+                "high_water_samples": c.high_water_samples, "high_water_bytes": c.high_water_bytes,
+                "staleness_at_delivery": {str(k): v for k, v in sorted(c.staleness.items())}}
+
+
+class AsyncSampleQueue:
+    """`SampleQueue` plus timed waits. Every method runs on the event loop thread."""
+
+    def __init__(self, core: SampleQueue, max_upload_waiters: int = 64):
+        self.core = core
+        self.max_upload_waiters = max_upload_waiters
+        self._changed = asyncio.Event()
+        self._waiters: deque[object] = deque()  # upload tickets, first come first served
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_until(self, pred: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait (no polling) until `pred()` holds or `timeout_s` passes; returns pred()."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not pred():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return pred()
+        return True
+
+    async def put(self, samples: list[Sample], wait_s: float = 0.0) -> Admission:
+        """Admit a group, waiting up to `wait_s` for space behind earlier waiters; QueueFull after that."""
+        core = self.core
+        n, nbytes = len(samples), sum(sample_nbytes(s) for s in samples)
+        core.check_admissible(n, nbytes)
+        if not self._waiters and core.fits(n, nbytes):
+            return self._put(samples)
+        if wait_s <= 0 or len(self._waiters) >= self.max_upload_waiters:
+            core.counters.rejected_full += 1
+            raise QueueFull(f"queue full: {core.samples}/{core.max_samples} samples, "
+                            f"{core.nbytes}/{core.max_bytes} bytes held, {len(self._waiters)} uploads waiting")
+        ticket = object()
+        self._waiters.append(ticket)
+        core.counters.waited_full += 1
+        try:
+            ok = await self.wait_until(lambda: self._waiters[0] is ticket and core.fits(n, nbytes), wait_s)
+            if not ok:
+                core.counters.rejected_full += 1
+                raise QueueFull(f"queue still full after waiting {wait_s:.1f}s: {core.samples}/{core.max_samples} "
+                                f"samples, {core.nbytes}/{core.max_bytes} bytes held")
+            return self._put(samples)
+        finally:
+            self._waiters.remove(ticket)
+            self.notify()  # the next waiter in line may fit now
+
+    def _put(self, samples: list[Sample]) -> Admission:
+        adm = self.core.put(samples)
+        self.notify()
+        return adm
+
+    @property
+    def upload_waiters(self) -> int:
+        return len(self._waiters)
+
+    async def take_window(self, max_tokens: int, timeout_s: float) -> list[Entry]:
+        """For the reference loop: the next window, or [] after `timeout_s` with nothing pending."""
+        if not await self.wait_until(lambda: self.core.pending > 0, timeout_s):
+            return []
+        window = self.core.take_pending(max_tokens)
+        self.notify()  # stale drops may have freed space
+        return window
+
+    def complete(self, entries: list[Entry], ref_logprobs: list[list[float]] | None, compute_s: float = 0.0) -> None:
+        self.core.complete(entries, ref_logprobs, compute_s)
+        self.notify()
+
+    def fail(self, entries: list[Entry]) -> None:
+        self.core.fail(entries)
+        self.notify()
+
+    async def take_batch(self, max_samples: int, max_tokens: int, min_samples: int = 1,
+                         wait_s: float = 10.0,
+                         client_gone: Callable[[], Awaitable[bool]] | None = None) -> list[Entry]:
+        """Wait up to `wait_s` for `min_samples` ready samples (capped by max_samples), then take what is
+        ready; [] if nothing is. `client_gone` is checked before taking, so a gone client takes nothing."""
+        need = max(1, min(min_samples, max_samples))
+        await self.wait_until(lambda: self.core.ready >= need, wait_s)
+        if not self.core.ready or (client_gone is not None and await client_gone()):
+            return []
+        out = self.core.take_ready(max_samples, max_tokens)
+        self.notify()  # space freed for waiting uploads
+        return out
+
+    def set_version(self, version: int) -> int:
+        dropped = self.core.set_version(version)
+        self.notify()
+        return dropped

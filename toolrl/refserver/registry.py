@@ -1,0 +1,124 @@
+"""The gen-worker registry: who is alive and where the learner pushes weights.
+
+A worker registers (id, url, capabilities, policy version) and heartbeats; one that has not been
+heard from for `ttl_s` is dropped (checked on every access, and by a periodic sweep so expiry is
+logged even when nobody asks). Registering again with the same id replaces the entry, so a
+restarted worker simply registers anew. The registry is bounded (`max_workers`).
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+MAX_CAPABILITIES_BYTES = 16 << 10
+
+
+class RegistryError(ValueError):
+    """A registration that cannot be accepted (HTTP 400), or a full registry (HTTP 409)."""
+
+    def __init__(self, msg: str, status: int = 400):
+        super().__init__(msg)
+        self.status = status
+
+
+@dataclass
+class Worker:
+    id: str
+    url: str
+    capabilities: dict[str, Any]
+    policy_version: int
+    registered_at: float  # wall clock, for people
+    last_seen: float  # wall clock, for people
+    seen_mono: float = field(repr=False, default=0.0)  # monotonic, for expiry
+    heartbeats: int = 0
+
+    def public(self, now_mono: float) -> dict[str, Any]:
+        return {"id": self.id, "url": self.url, "capabilities": self.capabilities,
+                "policy_version": self.policy_version, "last_seen": self.last_seen,
+                "age_s": round(now_mono - self.seen_mono, 3), "registered_at": self.registered_at,
+                "heartbeats": self.heartbeats}
+
+
+def validate(worker_id: str, url: str, capabilities: dict[str, Any], policy_version: int) -> None:
+    if not isinstance(worker_id, str) or not _ID_RE.match(worker_id):
+        raise RegistryError(f"worker id {worker_id!r} must be 1-128 characters of [A-Za-z0-9._:@-]")
+    if not isinstance(url, str) or not re.match(r"^https?://[^\s/]+", url) or len(url) > 2048:
+        raise RegistryError(f"worker url {url!r} must be an http(s) URL")
+    if not isinstance(capabilities, dict):
+        raise RegistryError("capabilities must be a JSON object")
+    try:
+        size = len(json.dumps(capabilities))
+    except (TypeError, ValueError) as exc:
+        raise RegistryError(f"capabilities are not JSON-serialisable: {exc}") from None
+    if size > MAX_CAPABILITIES_BYTES:
+        raise RegistryError(f"capabilities of {size} bytes are over the limit of {MAX_CAPABILITIES_BYTES}")
+    if not isinstance(policy_version, int) or policy_version < 0:
+        raise RegistryError(f"policy_version must be a non-negative integer, got {policy_version!r}")
+
+
+class WorkerRegistry:
+    def __init__(self, ttl_s: float, max_workers: int = 1024, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time, on_expire: Callable[[Worker], None] | None = None):
+        self.ttl_s, self.max_workers = ttl_s, max_workers
+        self.clock, self.wall, self.on_expire = clock, wall, on_expire
+        self._workers: dict[str, Worker] = {}
+        self.registered_total = 0
+        self.expired_total = 0
+
+    def register(self, worker_id: str, url: str, capabilities: dict[str, Any] | None = None,
+                 policy_version: int = 0) -> Worker:
+        capabilities = capabilities or {}
+        validate(worker_id, url, capabilities, policy_version)
+        self.expire()
+        if worker_id not in self._workers and len(self._workers) >= self.max_workers:
+            raise RegistryError(f"registry full ({self.max_workers} live workers)", status=409)
+        now, wall = self.clock(), self.wall()
+        w = Worker(worker_id, url, dict(capabilities), policy_version, wall, wall, now)
+        self._workers[worker_id] = w
+        self.registered_total += 1
+        return w
+
+    def heartbeat(self, worker_id: str, policy_version: int | None = None) -> Worker | None:
+        """Refresh a live worker; None if it is unknown or already expired (it should register again)."""
+        self.expire()
+        w = self._workers.get(worker_id)
+        if w is None:
+            return None
+        if policy_version is not None:
+            if not isinstance(policy_version, int) or policy_version < 0:
+                raise RegistryError(f"policy_version must be a non-negative integer, got {policy_version!r}")
+            w.policy_version = policy_version
+        w.seen_mono, w.last_seen = self.clock(), self.wall()
+        w.heartbeats += 1
+        return w
+
+    def remove(self, worker_id: str) -> bool:
+        return self._workers.pop(worker_id, None) is not None
+
+    def expire(self) -> list[Worker]:
+        now = self.clock()
+        gone = [w for w in self._workers.values() if now - w.seen_mono > self.ttl_s]
+        for w in gone:
+            del self._workers[w.id]
+            self.expired_total += 1
+            if self.on_expire:
+                self.on_expire(w)
+        return gone
+
+    def live(self) -> list[dict[str, Any]]:
+        self.expire()
+        now = self.clock()
+        return [w.public(now) for w in sorted(self._workers.values(), key=lambda w: w.registered_at)]
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def stats(self) -> dict[str, Any]:
+        self.expire()
+        return {"live": len(self), "registered_total": self.registered_total, "expired_total": self.expired_total,
+                "ttl_s": self.ttl_s}
