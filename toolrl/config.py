@@ -217,6 +217,7 @@ class LoggingConfig(Section):
     run_name: str | None = None
     tensorboard: bool = True
     log_dir: str = "runs/logs"
+    dump_samples: bool = False  # the learner writes every trained sample to logs/samples.jsonl
 
 
 class Config(Section):

@@ -1,0 +1,163 @@
+"""Executor benchmark (not a test): the real service against a subprocess-per-snippet baseline.
+
+    python bench/executor.py [--port 18170] [--workers N] [--batch 128] [--rounds 2] [--c8-requests 1500]
+
+Starts executor_service.py, then measures, side by side in one run (alternating, because this
+machine's speed drifts from minute to minute):
+  * trivial `print(1+1)` executions per second through POST /execute_batch;
+  * the same through a baseline that starts a fresh `python -c` per snippet, one per core at a time;
+  * latency of one trivial snippet through POST /execute with 8 concurrent clients (AsyncExecutorClient).
+Prints readable lines, then one final JSON line with batch_exec_per_s, ratio_vs_subprocess, p99_ms_c8.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from toolrl.sandbox.client import AsyncExecutorClient, ExecutorClient  # noqa: E402
+
+SNIPPET = "print(1+1)"
+
+
+def start_service(port: int, workers: int | None) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / "executor_service.py"), "--port", str(port), "--log-level", "WARNING",
+           "--set", "executor.max_queue=1024"]
+    if workers:
+        cmd += ["--set", f"executor.workers={workers}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    deadline = time.monotonic() + 90
+    with ExecutorClient(f"http://127.0.0.1:{port}", timeout_s=5) as c:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"executor_service.py exited with {proc.returncode}")
+            if c.health():
+                return proc
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("executor_service.py did not become healthy in 90 s")
+
+
+def bench_batch(url: str, batch: int, total: int) -> float:
+    """Executions per second through /execute_batch, two batches in flight (one runs, one is parsed)."""
+    n_batches = max(2, total // batch)
+    items = [{"code": SNIPPET}] * batch
+
+    def one(_):
+        with ExecutorClient(url, timeout_s=300) as c:
+            res = c.execute_batch(items)
+        bad = [r for r in res if r.status != "ok" or r.stdout != "2\n"]
+        if bad:
+            raise SystemExit(f"wrong result in the batch benchmark: {bad[0]}")
+        return len(res)
+
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        done = sum(pool.map(one, range(n_batches)))
+    return done / (time.perf_counter() - t)
+
+
+def bench_subprocess(total: int) -> float:
+    """The naive executor: a fresh interpreter per snippet, as many at a time as there are cores."""
+    def one(_):
+        out = subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True, timeout=60)
+        if out.stdout != "2\n":
+            raise SystemExit(f"baseline printed {out.stdout!r}")
+
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        list(pool.map(one, range(total)))
+    return total / (time.perf_counter() - t)
+
+
+async def bench_latency(url: str, clients: int, requests: int) -> list[float]:
+    lat: list[float] = []
+    async with AsyncExecutorClient(url, timeout_s=60) as c:
+        for _ in range(20):  # warm connections
+            await c.execute(SNIPPET)
+
+        async def worker(n: int):
+            for _ in range(n):
+                t = time.perf_counter()
+                r = await c.execute(SNIPPET)
+                lat.append((time.perf_counter() - t) * 1000)
+                if r.status != "ok" or r.stdout != "2\n":
+                    raise SystemExit(f"wrong result in the latency benchmark: {r}")
+
+        await asyncio.gather(*(worker(requests // clients) for _ in range(clients)))
+    return lat
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def free_port(preferred: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, default=18170)
+    ap.add_argument("--workers", type=int, default=None, help="executor.workers (default: the config's)")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--batch-total", type=int, default=1024)
+    ap.add_argument("--subprocess-total", type=int, default=150)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--c8-requests", type=int, default=1600)
+    args = ap.parse_args()
+
+    port = free_port(args.port)
+    url = f"http://127.0.0.1:{port}"
+    proc = start_service(port, args.workers)
+    try:
+        with ExecutorClient(url) as c:
+            c.execute_batch([{"code": SNIPPET}] * 64)  # warm-up
+            workers = c._http.get("/health").json()["workers"]
+        batch_rates, sub_rates = [], []
+        for r in range(args.rounds):  # alternate, so drift hits both sides alike
+            sub_rates.append(bench_subprocess(args.subprocess_total))
+            batch_rates.append(bench_batch(url, args.batch, args.batch_total))
+            print(f"round {r + 1}: /execute_batch {batch_rates[-1]:.0f} exec/s   "
+                  f"subprocess-per-snippet {sub_rates[-1]:.0f} exec/s", flush=True)
+        lat = asyncio.run(bench_latency(url, 8, args.c8_requests))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    batch = statistics.median(batch_rates)
+    sub = statistics.median(sub_rates)
+    p50, p99 = pct(lat, 0.50), pct(lat, 0.99)
+    print(f"batch (median of {args.rounds}): {batch:.0f} exec/s; subprocess baseline {sub:.0f} exec/s; "
+          f"ratio {batch / sub:.2f}x")
+    print(f"/execute with 8 concurrent clients, {len(lat)} requests: p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+          f"max {max(lat):.1f} ms")
+    print(json.dumps({"batch_exec_per_s": round(batch, 1), "ratio_vs_subprocess": round(batch / sub, 2),
+                      "p99_ms_c8": round(p99, 1), "p50_ms_c8": round(p50, 1),
+                      "subprocess_exec_per_s": round(sub, 1), "batch_rounds": [round(x, 1) for x in batch_rates],
+                      "subprocess_rounds": [round(x, 1) for x in sub_rates], "batch_size": args.batch,
+                      "workers": workers, "c8_requests": len(lat)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The executor's wire models, defined once for the service and its clients.
+
+Requests forbid unknown keys so that a typo (`timeout` for `timeout_s`) is a 422 that names the key
+instead of a silently ignored limit.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Status = Literal["ok", "error", "timeout", "oom", "output_limit", "killed"]
+STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "oom", "output_limit", "killed")
+
+SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
+
+
+class ExecRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    code: str
+    timeout_s: float | None = Field(None, gt=0)  # None: the server's default
+    memory_mb: int | None = Field(None, ge=16)
+    stdin: str | None = None  # None: stdin is empty, input() raises EOFError
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)  # state kept between calls
+
+
+class ExecResult(BaseModel):
+    """What one execution did.
+
+    status: ok (exit code 0), error (non-zero exit, uncaught exception, crash), timeout (wall or CPU
+    limit), oom (memory limit), output_limit (killed for printing more than the server allows),
+    killed (a signal the sandbox did not send for a limit, or the request was cancelled).
+    """
+
+    status: Status
+    exit_code: int | None  # negative: killed by that signal number
+    stdout: str
+    stderr: str
+    truncated: bool  # stdout or stderr was cut; a marker in the text shows where
+    wall_ms: float
+    cpu_ms: float
+    session_reset: bool = False  # the session's earlier state was NOT available to this execution
+    session_note: str | None = None  # why it was reset, or that this execution lost the session
+
+
+class BatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[ExecRequest]
+
+
+class BatchResponse(BaseModel):
+    results: list[ExecResult]  # in the order of the request's items
+
+
+class HealthResponse(BaseModel):
+    ok: bool
+    workers: int
+    queued: int  # admitted and not yet answered
+    max_queue: int
+    sessions: int
+    isolation: dict[str, Any]  # what the fork server set up; `missing` lists what it could not
+    uids: dict[str, list[int]]  # [first, last] uid of the slot and session ranges
+    forkserver_pid: int | None
+    restarts: int
