@@ -13,9 +13,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(parser)
     parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
+    parser.add_argument("--get", metavar="KEY", help="print one resolved value, e.g. executor.port")
     args = parser.parse_args()
     cfg = config_from_args(args)
-    if args.print:
+    if args.get:
+        value = cfg
+        for part in args.get.split("."):
+            if not hasattr(value, part):
+                raise SystemExit(f"config error: unknown key '{args.get}'")
+            value = getattr(value, part)
+        print(value)
+    elif args.print:
         print(dump_config(cfg), end="")
     else:
         print("config OK")

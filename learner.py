@@ -36,6 +36,7 @@ def main() -> None:
 
     from toolrl.models import resolve_model
     from toolrl.monitor import Monitor, batch_stats
+    from toolrl.protocol import sample_record
     from toolrl.refserver.client import RefServerClient
     from toolrl.sync import WeightSync
     from toolrl.trainer import Trainer
@@ -50,10 +51,15 @@ def main() -> None:
     state = lambda: trainer.export_state(sync_dtype)  # noqa: E731
     monitor = Monitor(cfg, log_dir, trainer.rank)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if rank0:
+    if rank0 and args.resume and trainer.step > 0:
+        # Workers may hold weights newer than the checkpoint (trained after it, then lost): the
+        # resumed policy gets a version above all of them, so nothing mistakes it for older.
+        ahead = max([int(w.get("policy_version", 0)) for w in ref.workers()] + [-1])
+        if ahead >= trainer.version:
+            trainer.version = ahead + 1
+        sync.push(state(), trainer.version)
+    elif rank0:
         ref.set_version(trainer.version)
-        if trainer.version > 0:  # resumed: the workers still hold older weights
-            sync.push(state(), trainer.version)
 
     while trainer.step < cfg.learner.steps:
         t0 = time.time()
@@ -77,6 +83,10 @@ def main() -> None:
         t3 = time.time()
         if cfg.learner.checkpoint_every and trainer.step % cfg.learner.checkpoint_every == 0:
             trainer.save_checkpoint(ckpt_dir)  # on every rank: each writes its ZeRO shard
+        if rank0 and cfg.logging.dump_samples:
+            with open(log_dir / "samples.jsonl", "a") as f:
+                for s in batch:
+                    f.write(json.dumps(sample_record(s, step=trainer.step)) + "\n")
         metrics.update(batch_stats(batch, trainer.version))
         metrics.update(time_wait_s=t1 - t0, time_compute_s=t2 - t1, time_sync_s=t3 - t2, step_time_s=time.time() - t0,
                        policy_version=trainer.version, workers_ok=synced.get("workers_ok", 0),

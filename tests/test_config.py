@@ -21,7 +21,7 @@ def test_keys_other_services_rely_on():
     assert cfg.executor.url.startswith("http://127.0.0.1")
     assert cfg.ref_server.url.startswith("http://127.0.0.1")
     assert cfg.model.name == "tiny-random"
-    assert cfg.learner.steps == 2
+    assert cfg.learner.steps == 3
 
 
 def test_override_types_and_nesting():

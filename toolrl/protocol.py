@@ -107,6 +107,14 @@ class Sample(BaseModel):
         return len(self.prompt_ids) + len(self.completion_ids)
 
 
+def sample_record(s: Sample, **extra: Any) -> dict:
+    """A sample as one JSONL line (gen_worker --rollout-only, the learner's sample dump)."""
+    return {"prompt_ids": s.prompt_ids, "completion_ids": s.completion_ids, "loss_mask": s.loss_mask,
+            "logprobs": s.logprobs, "rewards": s.rewards, "reward": s.reward, "advantage": s.advantage,
+            "group_id": s.group_id, "tool_calls": [t.model_dump() for t in s.tool_calls], "text": s.text,
+            "policy_version": s.policy_version, "stop_reason": s.stop_reason, "source": s.source, **extra}
+
+
 _TOKEN_FIELDS = ("prompt_ids", "completion_ids", "loss_mask", "logprobs", "ref_logprobs")
 
 

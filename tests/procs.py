@@ -1,0 +1,63 @@
+"""Start the real services as subprocesses for tests: free ports, health waits, clean kills."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict | None = None):
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        self.args = args
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=open(self.log, "w"),
+                                  stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+
+    def wait_http(self, url: str, timeout_s: float = 300.0) -> None:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.p.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy at {url} after {timeout_s}s:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, signal.SIGTERM)
+                self.p.wait(timeout=20)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.p.wait(timeout=10)

@@ -1,0 +1,189 @@
+"""The gen worker for real: vLLM on CPU, SmolLM2, the executor service and the reference server."""
+import json
+import sys
+from pathlib import Path
+import time
+
+import httpx
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procs import Proc, free_port  # noqa: E402
+from toolrl.config import load_config
+from toolrl.logprobs import sample_logprobs
+from toolrl.models import load_hf_model, load_tokenizer
+from toolrl.prompts import format_tool_result
+from toolrl.protocol import CONTENT_TYPE, encode_weight_bucket
+
+pytestmark = pytest.mark.slow
+TEMP = 0.7
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    d = tmp_path_factory.mktemp("genworker")
+    ex_port, ref_port, w_port = free_port(), free_port(), free_port()
+    sets = [f"executor.url=http://127.0.0.1:{ex_port}", f"ref_server.url=http://127.0.0.1:{ref_port}",
+            "model.dtype=float32", f"rollout.temperature={TEMP}", "rollout.prompts_per_step=2",
+            "rollout.group_size=4", "rollout.max_new_tokens=160", "rollout.drain_timeout_s=20", "grpo.beta=0",
+            "data.seed=3", "rollout.kv_cache_gb=1"]
+    args = ["--config", "configs/cpu_demo.yaml"] + [x for s in sets for x in ("--set", s)]
+    procs = []
+    try:
+        ex = Proc("executor", ["executor_service.py", "--port", str(ex_port)], d)
+        procs.append(ex)
+        ref = Proc("ref_server", ["ref_server.py", *args, "--port", str(ref_port)], d)
+        procs.append(ref)
+        ex.wait_http(f"http://127.0.0.1:{ex_port}/health", 60)
+        ref.wait_http(f"http://127.0.0.1:{ref_port}/health", 120)
+        w = Proc("worker", ["gen_worker.py", *args, "--port", str(w_port), "--worker-id", "w-test"], d)
+        procs.append(w)
+        w.wait_http(f"http://127.0.0.1:{w_port}/health", 600)
+        yield {"cfg": load_config("configs/cpu_demo.yaml", sets), "ex": f"http://127.0.0.1:{ex_port}",
+               "ref": f"http://127.0.0.1:{ref_port}", "worker": f"http://127.0.0.1:{w_port}", "procs": procs}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def samples(stack):
+    """Batches from the reference server until some sample has an executed tool call."""
+    from toolrl.refserver.client import RefServerClient
+
+    got = []
+    deadline = time.time() + 900
+    with RefServerClient(stack["ref"]) as ref:
+        while time.time() < deadline:
+            batch = ref.get_batch(64, 1 << 20, wait_s=10)
+            got += batch or []
+            if any(t.status == "ok" for s in got for t in s.tool_calls) and len(got) >= 8:
+                break
+    assert got, "the worker uploaded nothing"
+    return got
+
+
+@pytest.fixture(scope="module")
+def hf(stack):
+    return load_hf_model(stack["cfg"].model.name, dtype="float32")
+
+
+def test_workers_register_and_report(stack, samples):
+    workers = httpx.get(f"{stack['ref']}/workers").json()
+    workers = workers.get("workers", workers) if isinstance(workers, dict) else workers
+    assert [w["id"] for w in workers] == ["w-test"]
+    st = httpx.get(f"{stack['worker']}/stats").json()
+    assert st["samples"] >= len(samples) and st["tokens_per_s"] > 0 and st["tool_calls"] >= 1
+
+
+def test_tool_output_in_the_token_stream_is_the_executors_and_masked(stack, samples):
+    from toolrl.sandbox.client import ExecutorClient
+
+    tok = load_tokenizer(stack["cfg"].model.name)
+    checked = 0
+    with ExecutorClient(stack["ex"]) as ex:
+        for s in samples:
+            # contiguous mask-0 spans are exactly the tool outputs, in order
+            spans, start = [], None
+            for i, m in enumerate(s.loss_mask + [1]):
+                if m == 0 and start is None:
+                    start = i
+                elif m == 1 and start is not None:
+                    spans.append((start, i))
+                    start = None
+            assert len(spans) == len(s.tool_calls)
+            for (a, b), call in zip(spans, s.tool_calls):
+                assert all(lp is None for lp in s.logprobs[a:b])
+                text = tok.decode(s.completion_ids[a:b])
+                assert text.endswith(format_tool_result(call.output)), (text, call.output)
+            first = s.tool_calls[0] if s.tool_calls else None
+            if first is not None and first.status == "ok" and first.code:
+                again = ex.execute(first.code)  # a fresh run of the same program prints the same
+                assert again.stdout == first.output
+                checked += 1
+            assert all(lp is not None for lp, m in zip(s.logprobs, s.loss_mask) if m == 1)
+    assert checked >= 1
+
+
+def test_sampler_logprobs_match_a_transformers_forward(samples, hf):
+    ours = sample_logprobs(hf, samples, temperature=TEMP)
+    diffs = [abs(a - b) for s, row in zip(samples, ours) for a, b, m in zip(s.logprobs, row, s.loss_mask) if m]
+    assert len(diffs) > 100
+    assert sum(diffs) / len(diffs) < 0.01 and max(diffs) < 0.15, (sum(diffs) / len(diffs), max(diffs))
+
+
+def _probe(url, prompt):
+    r = httpx.post(f"{url}/probe", json={"prompt_ids": prompt, "max_tokens": 12, "seed": 1}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _score(model, prompt, tokens):
+    from toolrl.protocol import Sample
+
+    s = Sample(prompt_ids=prompt, completion_ids=tokens, loss_mask=[1] * len(tokens),
+               logprobs=[0.0] * len(tokens), group_id="probe")
+    return sample_logprobs(model, [s], temperature=TEMP)[0]
+
+
+def test_update_weights_changes_logprobs_to_the_new_weights(stack, samples, hf):
+    from toolrl.weights import push_weights
+
+    url = stack["worker"]
+    prompt = load_tokenizer(stack["cfg"].model.name).encode("The capital of France is")
+    before = _probe(url, prompt)
+    assert before["policy_version"] == 0
+    torch.manual_seed(0)
+    with torch.no_grad():  # a visibly different policy: perturb every attention output projection
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.add_(torch.randn_like(layer.self_attn.o_proj.weight) * 0.02)
+    named = [(n, t.detach().clone()) for n, t in hf.state_dict().items() if n != "lm_head.weight"]
+    answer = push_weights(url, named, version=1, bucket_mb=16, timeout_s=600)
+    assert answer["loaded"] and answer["version"] == 1
+    after = _probe(url, prompt)
+    assert after["policy_version"] == 1
+    expect = _score(hf, prompt, after["token_ids"])
+    assert max(abs(a - b) for a, b in zip(after["logprobs"], expect)) < 0.05
+    if after["token_ids"] == before["token_ids"]:
+        assert max(abs(a - b) for a, b in zip(after["logprobs"], before["logprobs"])) > 0.05
+    assert httpx.get(f"{url}/health").json()["policy_version"] == 1
+
+
+def test_bad_weight_updates_are_refused(stack):
+    url = stack["worker"]
+    r = httpx.post(f"{url}/update_weights", content=b"garbage", headers={"Content-Type": CONTENT_TYPE})
+    assert r.status_code == 400 and "bad weight bucket" in r.text
+    mid = encode_weight_bucket([("model.norm.weight", torch.ones(576))], version=5, index=1, count=3)
+    r = httpx.post(f"{url}/update_weights", content=mid, headers={"Content-Type": CONTENT_TYPE})
+    assert r.status_code == 409
+    old = encode_weight_bucket([("model.norm.weight", torch.ones(576))], version=0, index=0, count=1)
+    r = httpx.post(f"{url}/update_weights", content=old, headers={"Content-Type": CONTENT_TYPE})
+    assert r.status_code == 409 and "older" in r.text
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_rollout_only_writes_scored_jsonl(stack, tmp_path):
+    out = tmp_path / "roll.jsonl"
+    p = Proc("rollout_only", ["gen_worker.py", "--config", "configs/cpu_tiny.yaml", "--set",
+                              f"executor.url={stack['ex']}", "--rollout-only", "--num-prompts", "2",
+                              "--out", str(out)], tmp_path)
+    try:
+        assert p.p.wait(timeout=600) == 0, p.tail()
+    finally:
+        p.stop()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    cfg = load_config("configs/cpu_tiny.yaml")
+    assert len(rows) == 2 * cfg.rollout.group_size
+    for r in rows:
+        assert {"prompt_ids", "completion_ids", "loss_mask", "logprobs", "rewards", "advantage", "tool_calls",
+                "text", "policy_version", "stop_reason"} <= set(r)
+        assert len(r["logprobs"]) == len(r["completion_ids"]) == len(r["loss_mask"])
+        assert all((lp is None) == (m == 0) for lp, m in zip(r["logprobs"], r["loss_mask"]))
+        assert set(r["rewards"]) == {"correct", "format", "tool"}
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r["advantage"])
+    assert all(abs(sum(a)) < 1e-6 for a in groups.values())  # group-relative
+    summary = json.loads([ln for ln in p.log.read_text().splitlines() if ln.startswith("{")][-1])
+    assert summary["written"] == len(rows)

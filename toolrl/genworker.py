@@ -1,0 +1,267 @@
+"""The gen worker: rollouts with the tool loop, rewards, group advantages, upload, weight updates.
+
+One asyncio loop runs everything: the HTTP server (weight updates, health, stats), the producer
+(`prompts_per_step` groups in flight, each of `group_size` rollouts sharing the vLLM engine), the
+uploader (waits when the reference server is full, never drops a group) and the heartbeat.
+
+Weight updates and versions: a sample is tagged with the policy version its rollout *started*
+under, and in-flight rollouts finish on those weights: when the last bucket of an update arrives,
+new rollouts are held back, the in-flight ones drain (aborted and discarded only after
+`rollout.drain_timeout_s`), the weights are loaded in place, the prefix cache is reset, and
+rollouts resume under the new version. So no sample mixes two policies.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import socket
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .advantages import group_advantages, zero_variance
+from .config import Config
+from .data import Problem, arithmetic_stream, load_problems
+from .engine import VllmEngine, wait_for
+from .models import load_tokenizer, resolve_model
+from .prompts import load_chat_prompt
+from .protocol import Sample, sample_record
+from .rewards import Completion, check_names, score, weights_at
+from .rollout import ExecutorTool, Rollout, pending_program, run_rollout
+
+log = logging.getLogger("gen_worker")
+
+
+@dataclass
+class Stats:
+    started: float = field(default_factory=time.time)
+    samples: int = 0
+    groups: int = 0
+    tokens: int = 0  # model-generated tokens
+    tool_calls: int = 0
+    tool_errors: int = 0
+    zero_std_groups: int = 0
+    dropped_groups: int = 0
+    aborted_groups: int = 0
+    failed_groups: int = 0
+    upload_waits: int = 0
+    upload_wait_s: float = 0.0
+    updates: int = 0
+    last_reload_s: float = 0.0
+    reward_sum: float = 0.0
+    correct_sum: float = 0.0
+
+    def as_dict(self, version: int, inflight: int) -> dict:
+        up = max(1e-9, time.time() - self.started)
+        d = {k: v for k, v in self.__dict__.items() if k != "started"}
+        d.update(uptime_s=up, samples_per_s=self.samples / up, tokens_per_s=self.tokens / up,
+                 policy_version=version, inflight_groups=inflight,
+                 reward_mean=self.reward_sum / max(1, self.samples), accuracy=self.correct_sum / max(1, self.samples))
+        return d
+
+
+def prompt_ids(tokenizer, chat_prompt, question: str, prefill: str = "") -> list[int]:
+    """Chat template with the generation prompt, then the prefill, as token ids."""
+    ids = tokenizer.apply_chat_template(chat_prompt.messages(question), add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return ids + (tokenizer.encode(prefill, add_special_tokens=False) if prefill else [])
+
+
+def problem_source(cfg: Config, worker_id: str):
+    """An endless, seeded problem stream, different for each worker."""
+    offset = zlib.crc32(worker_id.encode()) % 100_000
+    if cfg.data.source == "arithmetic":
+        return arithmetic_stream(seed=cfg.data.seed * 100_003 + offset, level=cfg.data.level)
+    problems = load_problems(cfg.data)
+    import random
+
+    rng = random.Random(cfg.data.seed + offset)
+
+    def cycle():
+        while True:
+            order = list(problems)
+            rng.shuffle(order)
+            yield from order
+    return cycle()
+
+
+class GenWorker:
+    def __init__(self, cfg: Config, worker_id: str | None = None, public_url: str | None = None,
+                 engine: VllmEngine | None = None):
+        self.cfg = cfg
+        self.worker_id = worker_id or cfg.rollout.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.public_url = public_url or cfg.rollout.public_url or f"http://{cfg.rollout.host}:{cfg.rollout.port}"
+        check_names(weights_at(cfg.rewards, 0))
+        model_path = resolve_model(cfg.model.name)
+        self.tokenizer = load_tokenizer(cfg.model.name)
+        self.engine = engine or VllmEngine(cfg, model_path, seed=zlib.crc32(self.worker_id.encode()) % 2**31)
+        from .sandbox.client import AsyncExecutorClient
+
+        ex = cfg.executor
+        self.executor = AsyncExecutorClient(ex.url, token=ex.token, timeout_s=ex.client_timeout_s,
+                                            retries=ex.client_retries)
+        self.tool = ExecutorTool(self.executor, timeout_s=ex.timeout_s)
+        self.chat_prompt = load_chat_prompt(cfg.prompt.system)
+        self.pending_code = pending_program(cfg.prompt.prefill, cfg.rollout.stop_marker)
+        self.problems = problem_source(cfg, self.worker_id)
+        self.version = 0
+        self.stats = Stats()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()  # cleared while a weight update loads
+        self._open.set()
+        self._update_lock = asyncio.Lock()
+        self._counter = itertools.count()
+        self._tasks: set[asyncio.Task] = set()
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+        from .weights import WeightAssembler
+
+        self.assembler = WeightAssembler(shm / f"toolrl-weights-{self.worker_id}-{os.getpid()}")
+
+    # -- prompts -------------------------------------------------------------------------------
+    def prompt_ids(self, question: str) -> list[int]:
+        return prompt_ids(self.tokenizer, self.chat_prompt, question, self.cfg.prompt.prefill)
+
+    # -- one group ------------------------------------------------------------------------------
+    async def rollout_group(self, problem: Problem) -> list[Sample] | None:
+        """group_size rollouts of one problem, scored, with group advantages. None if aborted."""
+        await self._open.wait()
+        self._inflight += 1
+        self._idle.clear()
+        version = self.version
+        gid = f"{self.worker_id}:{problem.id}:{next(self._counter)}"
+        rids = [f"{gid}.{i}" for i in range(self.cfg.rollout.group_size)]  # also the executor session ids
+        try:
+            prompt = self.prompt_ids(problem.question)
+            rolls: list[Rollout] = await asyncio.gather(
+                *[run_rollout(self.engine, self.tool, self.tokenizer, prompt, self.cfg.rollout, rid, self.pending_code)
+                  for rid in rids])
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+        if any(r.stop_reason == "abort" for r in rolls):
+            self.stats.aborted_groups += 1
+            return None
+        return await asyncio.to_thread(self._score_group, problem, rolls, gid, version)
+
+    def _score_group(self, problem: Problem, rolls: list[Rollout], gid: str, version: int) -> list[Sample]:
+        samples = []
+        for r in rolls:
+            text, final = r.texts(self.tokenizer, self.cfg.prompt.prefill)
+            rewards, total = score(Completion(text, final, r.tool_calls), problem.answer, self.cfg.rewards, version)
+            samples.append(Sample(prompt_ids=r.prompt_ids, completion_ids=r.completion_ids, loss_mask=r.loss_mask,
+                                  logprobs=r.logprobs, rewards=rewards, reward=total, group_id=gid,
+                                  policy_version=version, stop_reason=r.stop_reason, tool_calls=r.tool_calls,
+                                  text=text))
+        advs = group_advantages([s.reward for s in samples], scale=self.cfg.grpo.scale_rewards)
+        for s, a in zip(samples, advs):
+            s.advantage = a
+        st = self.stats
+        st.groups += 1
+        st.samples += len(samples)
+        st.tokens += sum(r.generated for r in rolls)
+        st.tool_calls += sum(len(r.tool_calls) for r in rolls)
+        st.tool_errors += sum(1 for r in rolls for t in r.tool_calls if t.status != "ok")
+        st.reward_sum += sum(s.reward for s in samples)
+        st.correct_sum += sum(s.rewards.get("correct", 0.0) for s in samples)
+        if zero_variance([s.reward for s in samples]):
+            st.zero_std_groups += 1
+        return samples
+
+    async def produce(self, n_groups: int | None = None):
+        """Yield scored groups, keeping `prompts_per_step` groups in flight."""
+        width = self.cfg.rollout.prompts_per_step
+        pending: set[asyncio.Task] = set()
+        started = failures = 0
+        while True:
+            while len(pending) < width and (n_groups is None or started < n_groups):
+                task = asyncio.create_task(self.rollout_group(next(self.problems)))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                pending.add(task)
+                started += 1
+            if not pending:
+                return
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.cancelled():
+                    self.stats.aborted_groups += 1
+                    continue
+                if task.exception() is not None:
+                    # One broken group must not take the worker down; a persistent failure must.
+                    self.stats.failed_groups += 1
+                    failures += 1
+                    log.error("a rollout group failed: %r", task.exception(), exc_info=task.exception())
+                    if failures >= 5:
+                        raise RuntimeError("5 rollout groups in a row failed") from task.exception()
+                    continue
+                failures = 0
+                group = task.result()
+                if group is None:
+                    continue
+                if self.cfg.grpo.drop_zero_std_groups and zero_variance([s.reward for s in group]):
+                    self.stats.dropped_groups += 1
+                    continue
+                yield group
+
+    # -- weight updates --------------------------------------------------------------------------
+    async def load_weights(self, version: int) -> dict:
+        """Drain in-flight rollouts, load the assembled weights in place, bump the version."""
+        async with self._update_lock:
+            self._open.clear()
+            t0 = time.time()
+            try:
+                try:
+                    await asyncio.wait_for(self._idle.wait(), self.cfg.rollout.drain_timeout_s)
+                except asyncio.TimeoutError:
+                    for task in list(self._tasks):  # rollouts between segments would resubmit
+                        task.cancel()
+                    n = await self.engine.abort_all()
+                    log.warning("drain timed out after %.0fs; aborted %d groups (%d requests)",
+                                time.time() - t0, len(self._tasks), n)
+                    await wait_for(self._idle.wait(), 60, "aborting in-flight rollouts")
+                drain_s = time.time() - t0
+                reload_s = await self.engine.reload_weights(str(self.assembler.out_dir))
+                self.version = version
+                self.stats.updates += 1
+                self.stats.last_reload_s = reload_s
+                log.info("loaded policy version %d (drain %.2fs, reload %.2fs)", version, drain_s, reload_s)
+                return {"version": version, "loaded": True, "drain_s": drain_s, "reload_s": reload_s,
+                        "worker_id": self.worker_id}
+            finally:
+                self._open.set()
+
+    def stats_dict(self) -> dict:
+        d = self.stats.as_dict(self.version, self._inflight)
+        d.update(worker_id=self.worker_id, tool_executor_errors=self.tool.errors)
+        return d
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+async def rollout_only(worker: GenWorker, num_prompts: int, out_path: str) -> dict:
+    """Write scored samples to JSONL without a reference server."""
+    from tqdm import tqdm
+
+    n = 0
+    t0 = time.time()
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "w") as f, tqdm(total=num_prompts, desc="groups", unit="group") as bar:
+        async for group in worker.produce(n_groups=num_prompts):
+            for s in group:
+                f.write(json.dumps(sample_record(s)) + "\n")
+                n += 1
+            f.flush()
+            bar.update(1)
+            bar.set_postfix(reward=f"{worker.stats.reward_sum / max(1, worker.stats.samples):.3f}",
+                            tools=worker.stats.tool_calls)
+    summary = worker.stats_dict()
+    summary.update(written=n, out=out_path, wall_s=time.time() - t0)
+    return summary

@@ -1,0 +1,132 @@
+"""The gen worker as a service: HTTP endpoints, registration, heartbeats and the upload loop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from .config import Config
+from .genworker import GenWorker
+from .protocol import MAX_WEIGHTS_BYTES, WireFormatError, decode_weight_bucket
+from .service import bearer_auth, install_error_handlers, read_body_capped
+
+log = logging.getLogger("gen_worker")
+
+
+class ProbeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt_ids: list[int] = Field(min_length=1, max_length=4096)
+    max_tokens: int = Field(16, ge=1, le=512)
+    seed: int = 0
+
+
+def build_app(worker: GenWorker) -> FastAPI:
+    app = FastAPI(title="toolrl gen worker")
+    auth = Depends(bearer_auth(worker.cfg.rollout.token))
+    install_error_handlers(app, log)
+
+    @app.get("/health")
+    async def health():
+        return {"ok": True, "worker_id": worker.worker_id, "policy_version": worker.version}
+
+    @app.get("/stats", dependencies=[auth])
+    async def stats():
+        return worker.stats_dict()
+
+    @app.post("/probe", dependencies=[auth])
+    async def probe(req: ProbeRequest):
+        """Seeded sampling at the rollout temperature: tokens and their logprobs under the loaded
+        weights, so a learner (or a test) can check a sync by scoring the same tokens itself."""
+        vocab = worker.tokenizer.vocab_size + len(worker.tokenizer.get_added_vocab())
+        if max(req.prompt_ids) >= vocab or min(req.prompt_ids) < 0:
+            raise HTTPException(status_code=400, detail=f"prompt_ids must lie in [0, {vocab})")
+        out = await worker.engine.generate(req.prompt_ids, req.max_tokens, f"probe-{time.time_ns()}",
+                                           stop_at_marker=False, seed=req.seed)
+        return {"token_ids": out.token_ids, "logprobs": out.logprobs, "policy_version": worker.version,
+                "temperature": worker.cfg.rollout.temperature}
+
+    @app.post("/update_weights", dependencies=[auth])
+    async def update_weights(request: Request):
+        from .weights import BucketOrderError
+
+        body = await read_body_capped(request, MAX_WEIGHTS_BYTES)
+        try:
+            bucket = decode_weight_bucket(body)
+        except WireFormatError as exc:
+            raise HTTPException(status_code=400, detail=f"bad weight bucket: {exc}") from None
+        if bucket.version < worker.version:
+            raise HTTPException(status_code=409, detail=f"version {bucket.version} is older than the loaded "
+                                                        f"{worker.version}")
+        try:
+            complete = await asyncio.to_thread(worker.assembler.add, bucket)
+        except BucketOrderError as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+        if not complete:
+            return {"version": bucket.version, "loaded": False, "received": bucket.index + 1, "of": bucket.count}
+        try:
+            return await worker.load_weights(bucket.version)
+        except Exception as exc:
+            log.exception("weight load failed")
+            raise HTTPException(status_code=500, detail=f"loading version {bucket.version} failed: {exc}") from None
+
+    return app
+
+
+def _capabilities(worker: GenWorker) -> dict:
+    return {"model": worker.cfg.model.name, "max_model_len": worker.cfg.model.max_model_len,
+            "group_size": worker.cfg.rollout.group_size, "tools": ["python"]}
+
+
+async def upload_loop(worker: GenWorker, ref, max_groups: int | None = None) -> None:
+    """Produce groups and upload them; a full server makes this wait (backpressure), never drop."""
+    async for group in worker.produce(n_groups=max_groups):
+        t0 = time.time()
+        await ref.upload(group)
+        waited = time.time() - t0
+        if waited > 0.5:
+            worker.stats.upload_waits += 1
+        worker.stats.upload_wait_s += waited
+
+
+async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, public_url: str | None,
+                      max_groups: int | None = None) -> None:
+    import uvicorn
+
+    from .refserver.client import AsyncRefServerClient
+
+    worker = GenWorker(cfg, worker_id=worker_id, public_url=public_url or f"http://{host}:{port}")
+    app = build_app(worker)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    serve_task = asyncio.create_task(server.serve())
+    ref = AsyncRefServerClient(cfg.ref_server.url, token=cfg.ref_server.token)
+    try:
+        while not server.started:
+            if serve_task.done():
+                serve_task.result()  # raises the bind error
+            await asyncio.sleep(0.05)
+        reg = await ref.register(worker.worker_id, worker.public_url, _capabilities(worker), worker.version)
+        log.info("worker %s registered at %s (engine start %.0fs)", worker.worker_id, worker.public_url,
+                 worker.engine.start_s)
+        print(f"gen worker {worker.worker_id} ready at {worker.public_url}", flush=True)
+        learner_version = int(reg.get("learner_version", 0) or 0)
+        if learner_version > worker.version:
+            # A late joiner waits for the current weights before producing anything.
+            log.info("waiting for policy version %d from the learner", learner_version)
+            deadline = time.time() + cfg.learner.sync_timeout_s * 3
+            while worker.version < learner_version and time.time() < deadline:
+                await asyncio.sleep(0.5)
+        hb = asyncio.create_task(ref.keep_registered(worker.worker_id, worker.public_url, _capabilities(worker),
+                                                     lambda: worker.version, cfg.rollout.heartbeat_s))
+        try:
+            await upload_loop(worker, ref, max_groups)
+        finally:
+            hb.cancel()
+    finally:
+        server.should_exit = True
+        await asyncio.gather(serve_task, return_exceptions=True)
+        await ref.aclose()
+        await worker.executor.aclose()
+        worker.close()
