@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 Status = Literal["ok", "error", "timeout", "oom", "output_limit", "killed"]
 STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "oom", "output_limit", "killed")
 
-SESSION_ID_PATTERN = r"^[A-Za-z0-9._:@-]{1,128}$"
+SESSION_ID_PATTERN = r"^[^\x00-\x1f\x7f]{1,256}$"  # any printable id; clients percent-encode it in URLs
 
 
 class ExecRequest(BaseModel):

@@ -16,6 +16,7 @@ import asyncio
 import random
 import time
 from typing import Any, Iterable
+from urllib.parse import quote
 
 import httpx
 
@@ -97,6 +98,10 @@ class _Common:
         return resp
 
 
+def _session_path(session_id: str) -> str:
+    return "/sessions/" + quote(session_id, safe="")
+
+
 def _detail(resp: httpx.Response) -> str:
     try:
         body = resp.json()
@@ -106,9 +111,11 @@ def _detail(resp: httpx.Response) -> str:
 
 
 class ExecutorClient(_Common):
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 60.0, retries: int = 5, **kw):
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 60.0, retries: int = 5,
+                 transport: httpx.BaseTransport | None = None, **kw):
         super().__init__(url, token, timeout_s, retries, **kw)
-        self._http = httpx.Client(base_url=self.url, headers=auth_headers(token), timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.url, headers=auth_headers(token), timeout=timeout_s,
+                                  transport=transport)
 
     def _request(self, method: str, path: str, json: Any = None, timeout=None) -> httpx.Response:
         attempt = 0
@@ -139,7 +146,7 @@ class ExecutorClient(_Common):
         return BatchResponse.model_validate_json(resp.content).results
 
     def delete_session(self, session_id: str) -> bool:
-        return bool(self._request("DELETE", f"/sessions/{session_id}").json().get("deleted"))
+        return bool(self._request("DELETE", _session_path(session_id)).json().get("deleted"))
 
     def health(self) -> bool:
         try:
@@ -159,10 +166,12 @@ class ExecutorClient(_Common):
 
 
 class AsyncExecutorClient(_Common):
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 60.0, retries: int = 5, **kw):
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 60.0, retries: int = 5,
+                 transport: httpx.AsyncBaseTransport | None = None, **kw):
         super().__init__(url, token, timeout_s, retries, **kw)
         self._http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(token), timeout=timeout_s,
-                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+                                       transport=transport)
 
     async def _request(self, method: str, path: str, json: Any = None, timeout=None) -> httpx.Response:
         attempt = 0
@@ -193,7 +202,7 @@ class AsyncExecutorClient(_Common):
         return BatchResponse.model_validate_json(resp.content).results
 
     async def delete_session(self, session_id: str) -> bool:
-        return bool((await self._request("DELETE", f"/sessions/{session_id}")).json().get("deleted"))
+        return bool((await self._request("DELETE", _session_path(session_id))).json().get("deleted"))
 
     async def health(self) -> bool:
         try:

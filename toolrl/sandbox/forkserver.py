@@ -785,6 +785,7 @@ def main() -> None:
     isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)  # the front end dies -> we die -> PID 1 too
     if os.getppid() == 1:
         sys.exit(0)  # it died before we could ask
+    os.setsid()  # signals aimed at the front end's process group (Ctrl-C, killpg) are for it alone
     if "uid" not in disabled and os.geteuid() == 0:
         try:
             cfg["uid_base"], _lock_fd = isolation.claim_uid_range(cfg["uid_base"],

@@ -202,7 +202,7 @@ def create_app(cfg: ExecutorConfig) -> FastAPI:
                               forkserver_pid=b.proc.pid if b.proc else None, restarts=b.restarts)
         return JSONResponse(body.model_dump(), status_code=200 if b.ready else 503)
 
-    @app.delete("/sessions/{session_id}", dependencies=auth)
+    @app.delete("/sessions/{session_id:path}", dependencies=auth)
     async def delete_session(session_id: str) -> dict:
         return {"deleted": ex.sessions.delete(session_id)}
 

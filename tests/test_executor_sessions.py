@@ -1,0 +1,166 @@
+"""Notebook-like sessions on the real service: state kept, losses and resets always reported."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from test_executor import processes_with_uid, sandbox_pid_ns, wait_for
+from toolrl.sandbox.client import AsyncExecutorClient, ExecutorClient
+from toolrl.sandbox.local import LocalExecutor
+
+pytestmark = pytest.mark.timeout(120)
+TTL_S = 1.5
+CAP = 3
+
+
+@pytest.fixture(scope="module")
+def ex(tmp_path_factory):
+    log = tmp_path_factory.mktemp("executor") / "executor.log"
+    with LocalExecutor(sets=[f"executor.session_ttl_s={TTL_S}", f"executor.max_sessions={CAP}",
+                             "executor.workers=2"], log_path=log) as ex:
+        yield ex
+
+
+@pytest.fixture
+def c(ex):
+    with ExecutorClient(ex.url, timeout_s=60) as c:
+        yield c
+        for sid in list(_used):
+            c.delete_session(sid)
+        _used.clear()
+        h = c._http.get("/health").json()
+        assert h["ok"] and h["sessions"] == 0
+        ns = sandbox_pid_ns(h["forkserver_pid"])
+        assert not processes_with_uid(*h["uids"]["slots"], pid_ns=ns)
+        # a deleted session's process is killed right after the DELETE answer, not before it
+        assert not wait_for(lambda: processes_with_uid(*h["uids"]["sessions"], pid_ns=ns))
+
+
+_used: set[str] = set()
+
+
+def sid(name: str) -> str:
+    _used.add(name)
+    return name
+
+
+def test_state_is_kept_between_blocks(c):
+    s = sid("keep")
+    r1 = c.execute("import math\nx = 41\ndef f(v):\n    return math.sqrt(v)", session_id=s)
+    r2 = c.execute("x += 1\nprint(x, f(16))", session_id=s)
+    assert (r1.status, r1.session_reset) == ("ok", False)
+    assert (r2.status, r2.stdout, r2.session_reset, r2.session_note) == ("ok", "42 4.0\n", False, None)
+
+
+def test_files_persist_within_a_session_only(c):
+    s = sid("files")
+    c.execute("open('notes.txt', 'w').write('kept')", session_id=s)
+    assert c.execute("print(open('notes.txt').read())", session_id=s).stdout == "kept\n"
+    assert c.execute("import os\nprint(os.listdir('.'))").stdout == "[]\n"
+
+
+def test_sessions_are_isolated_from_each_other(c):
+    a, b = sid("iso-a"), sid("iso-b")
+    c.execute("secret = 'a-only'", session_id=a)
+    r = c.execute("print(secret)", session_id=b)
+    assert r.status == "error" and "NameError" in r.stderr
+    ua = c.execute("import os; print(os.getuid())", session_id=a).stdout
+    ub = c.execute("import os; print(os.getuid())", session_id=b).stdout
+    assert ua != ub
+
+
+def test_timeout_loses_the_session_and_says_so(c):
+    s = sid("slow")
+    c.execute("x = 1", session_id=s)
+    r = c.execute("while True: pass", session_id=s, timeout_s=1)
+    assert r.status == "timeout" and not r.session_reset
+    assert "session state lost" in r.session_note and "time limit" in r.session_note
+    r = c.execute("print(x)", session_id=s)
+    assert r.session_reset is True and "time limit" in r.session_note
+    assert r.status == "error" and "NameError" in r.stderr
+    r = c.execute("print('fresh')", session_id=s)
+    assert (r.status, r.session_reset, r.session_note) == ("ok", False, None)
+
+
+def test_os_exit_loses_the_session(c):
+    s = sid("exit")
+    c.execute("y = 2", session_id=s)
+    r = c.execute("import os\nprint('bye', flush=True)\nos._exit(0)", session_id=s)
+    assert (r.status, r.stdout) == ("ok", "bye\n") and "session state lost" in r.session_note
+    r = c.execute("print(y)", session_id=s)
+    assert r.session_reset and "NameError" in r.stderr
+
+
+def test_sys_exit_keeps_the_session(c):
+    s = sid("sysexit")
+    c.execute("z = 3", session_id=s)
+    r = c.execute("import sys\nsys.exit(4)", session_id=s)
+    assert (r.status, r.exit_code, r.session_note) == ("error", 4, None)
+    assert c.execute("print(z)", session_id=s).stdout == "3\n"
+
+
+def test_idle_ttl_expiry_is_reported(c):
+    s = sid("ttl")
+    c.execute("w = 9", session_id=s)
+    time.sleep(TTL_S + 2.0)
+    r = c.execute("print(w)", session_id=s)
+    assert r.session_reset is True and "expired" in r.session_note and "NameError" in r.stderr
+
+
+def test_cap_evicts_the_least_recently_used_idle_session(c):
+    names = [sid(f"cap{i}") for i in range(CAP + 1)]
+    for i, s in enumerate(names[:CAP]):
+        c.execute(f"v = {i}", session_id=s)
+    c.execute("pass", session_id=names[0])  # cap0 is now the most recently used; cap1 the least
+    c.execute("v = 99", session_id=names[CAP])  # over the cap: cap1 goes
+    assert c.execute("print(v)", session_id=names[0]).stdout == "0\n"
+    r = c.execute("print(v)", session_id=names[1])
+    assert r.session_reset and "evicted" in r.session_note
+
+
+def test_delete(c):
+    s = sid("del")
+    c.execute("q = 1", session_id=s)
+    assert c.delete_session(s) is True
+    assert c.delete_session(s) is False
+    r = c.execute("print(q)", session_id=s)  # the client ended it on purpose: simply a new session
+    assert r.session_reset is False and "NameError" in r.stderr
+
+
+def test_odd_session_ids(c):
+    s = sid("worker/7:problem 12.3")
+    c.execute("k = 'odd'", session_id=s)
+    assert c.execute("print(k)", session_id=s).stdout == "odd\n"
+    assert c.delete_session(s) is True
+
+
+def test_blocks_of_one_session_in_a_batch_run_in_order(c):
+    s = sid("batch")
+    items = [{"code": "acc = []", "session_id": s}] + [{"code": f"acc.append({i})", "session_id": s} for i in range(8)]
+    items += [{"code": "print(acc)", "session_id": s}, {"code": "print('plain')"}]
+    res = c.execute_batch(items)
+    assert res[-2].stdout == f"{list(range(8))}\n" and res[-1].stdout == "plain\n"
+
+
+def test_concurrent_blocks_on_one_session_are_serialised(ex, c):
+    s = sid("conc")
+    c.execute("n = 0", session_id=s)
+
+    async def go():
+        async with AsyncExecutorClient(ex.url) as a:
+            await asyncio.gather(*(a.execute("import time\nm = n\ntime.sleep(0.01)\nn = m + 1", session_id=s)
+                                   for _ in range(10)))
+            return await a.execute("print(n)", session_id=s)
+
+    assert asyncio.run(go()).stdout == "10\n"
+
+
+def test_processes_started_by_a_block_end_with_the_block(ex, c):
+    s = sid("procs")
+    r = c.execute("import subprocess\np = subprocess.Popen(['sleep', '100'])\nprint(p.pid)", session_id=s)
+    assert r.status == "ok"
+    h = c._http.get("/health").json()
+    left = processes_with_uid(*h["uids"]["sessions"], pid_ns=sandbox_pid_ns(h["forkserver_pid"]))
+    assert len(left) == 1 and "python" in left[0], left  # only the session's interpreter itself
