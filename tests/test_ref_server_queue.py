@@ -92,7 +92,8 @@ def test_stale_samples_dropped_and_counted_everywhere():
     drain(q)
     assert tags(q.take_ready(10, 10**9)) == ["g3", "g5"]
     assert q.counters.dropped_stale == 3 and q.samples == 0 and q.nbytes == 0
-    assert q.counters.samples_in == q.counters.samples_out + q.counters.dropped_stale - 1  # g1 never got in
+    c = q.counters
+    assert c.samples_in == c.samples_out + c.dropped_stale + c.dropped_failed + q.samples == 5
 
 
 def test_failed_samples_are_released_and_counted():
@@ -185,3 +186,9 @@ def test_replay_cache_is_bounded():
     for k in "abc":
         r.put(k, k.upper())
     assert r.get("a") is None and r.get("c") == "C"
+
+
+def test_plan_batches_keeps_a_long_sample_from_padding_short_ones():
+    lengths = [10, 12, 11, 1000, 13]
+    batches = plan_batches(lengths, 8192)
+    assert sorted(map(sorted, batches)) == [[0, 1, 2, 4], [3]]

@@ -88,8 +88,12 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     tasks: list[asyncio.Task] = []
 
     def stats() -> dict[str, Any]:
-        return {"queue": {**queue.core.stats(), "upload_waiters": queue.upload_waiters},
-                "reference": reference.stats(), "workers": registry.stats(), "http": dict(http),
+        q, ref = {**queue.core.stats(), "upload_waiters": queue.upload_waiters}, reference.stats()
+        # The headline numbers also flat at the top, for loggers that take top-level numbers only.
+        flat = {"queue_depth": q["samples"], "queue_ready": q["ready"], "samples_in": q["samples_in"],
+                "samples_out": q["samples_out"], "dropped_stale": q["dropped_stale"],
+                "ref_tokens_per_s": ref["tokens_per_s_last_60s"], "workers_live": len(registry)}
+        return {**flat, "queue": q, "reference": ref, "workers": registry.stats(), "http": dict(http),
                 "uptime_s": round(time.monotonic() - started, 3)}
 
     async def sweep() -> None:
@@ -116,7 +120,7 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.to_thread(reference.close)
+            reference.close()
 
     app = FastAPI(title="toolrl reference server", lifespan=lifespan)
     app.state.queue, app.state.reference, app.state.registry, app.state.stats = queue, reference, registry, stats

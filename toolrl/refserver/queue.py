@@ -124,7 +124,7 @@ class SampleQueue:
             self._npending += len(fresh)
         self.samples += len(fresh)
         self.nbytes += sum(sizes)
-        self.counters.samples_in += len(fresh)
+        self.counters.samples_in += len(samples)  # received: in = out + dropped + held, always
         self.counters.dropped_stale += dropped
         self.counters.groups_in += 1
         self.counters.high_water_samples = max(self.counters.high_water_samples, self.samples)

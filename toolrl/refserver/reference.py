@@ -18,7 +18,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from queue import SimpleQueue
 from typing import Any
 
 import torch
@@ -51,21 +52,69 @@ def load_reference_model(cfg: Config):
     return model
 
 
+BATCH_OVERHEAD_TOKENS = 64  # what one extra forward call costs, in padded-token equivalents
+MAX_BATCH_ROWS = 256
+
+
 def plan_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length, each with rows * longest <= token_budget
-    (a sample longer than the budget goes alone). Sorted ascending, so padding per batch is bounded
-    by the spread of lengths inside it."""
+    """Indices grouped into batches, each with rows * longest <= token_budget (a sample longer than
+    the budget goes alone). Batches are runs of the length-sorted order, chosen by dynamic programming
+    to minimise padded tokens + BATCH_OVERHEAD_TOKENS per batch: similar lengths share a batch, and a
+    long sample does not pad a batch of short ones."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[i] > token_budget:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
+    n = len(order)
+    best = [0] + [float("inf")] * n  # best[j]: cost of batching the first j sorted samples
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]]
+        for i in range(j - 1, max(-1, j - 1 - MAX_BATCH_ROWS), -1):  # batch = sorted[i:j]
+            rows = j - i
+            if rows > 1 and rows * longest > token_budget:
+                break
+            cost = best[i] + rows * longest + BATCH_OVERHEAD_TOKENS
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    batches, j = [], n
+    while j > 0:
+        batches.append(order[cut[j]:j])
+        j = cut[j]
+    return batches[::-1]
+
+
+class ComputeThread:
+    """One daemon thread that owns the model's compute. Daemon, so shutting down never waits for a
+    forward pass in progress (minutes on a loaded CPU); the queue is in memory and goes with it anyway."""
+
+    def __init__(self, name: str = "ref-compute"):
+        self._jobs: SimpleQueue = SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, arg, loop, fut = job
+            try:
+                ok, value = True, fn(arg)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                ok, value = False, exc
+            try:
+                loop.call_soon_threadsafe(_settle, fut, ok, value)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is waiting
+                pass
+
+    async def run(self, fn, arg):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._jobs.put((fn, arg, loop, fut))
+        return await fut
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+def _settle(fut: asyncio.Future, ok: bool, value) -> None:
+    if not fut.done():
+        fut.set_result(value) if ok else fut.set_exception(value)
 
 
 class Reference:
@@ -85,7 +134,7 @@ class Reference:
             self.vocab_size = int(mcfg.vocab_size)
             self.max_len = int(getattr(mcfg, "max_position_embeddings", 0) or cfg.model.max_model_len)
             self.pad_id = int(mcfg.pad_token_id if getattr(mcfg, "pad_token_id", None) is not None else 0)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ref-compute") if self.enabled else None
+        self._compute = ComputeThread() if self.enabled else None
         # Stats
         self.tokens_total = self.samples_total = self.batches_total = self.padded_total = 0
         self.compute_s_total = 0.0
@@ -139,7 +188,6 @@ class Reference:
 
     # -- the loop ----------------------------------------------------------------------------
     async def run(self, queue: AsyncSampleQueue) -> None:
-        loop = asyncio.get_running_loop()
         self.alive = True
         try:
             while True:
@@ -151,7 +199,7 @@ class Reference:
                     queue.complete(window, None)
                     continue
                 t0 = time.perf_counter()
-                results = await loop.run_in_executor(self._executor, self._compute_window, window)
+                results = await self._compute.run(self._compute_window, window)
                 dt = time.perf_counter() - t0
                 ok = [(e, r) for e, r in zip(window, results) if r is not None]
                 failed = [e for e, r in zip(window, results) if r is None]
@@ -169,8 +217,8 @@ class Reference:
             self.alive = False
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._compute is not None:
+            self._compute.close()
 
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
