@@ -22,7 +22,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, help="port (default rollout.port)")
     parser.add_argument("--worker-id", help="unique id in the registry (default host-pid)")
     parser.add_argument("--public-url", help="URL the learner uses to reach this worker")
-    parser.add_argument("--max-groups", type=int, help="stop after uploading this many groups")
+    parser.add_argument("--max-groups", type=int,
+                        help="stop producing after this many groups (keeps serving updates and probes)")
     parser.add_argument("--rollout-only", action="store_true", help="write samples to --out; no ref server")
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts (groups) in --rollout-only mode")
     parser.add_argument("--out", default="runs/rollouts.jsonl", help="JSONL output of --rollout-only")

@@ -21,9 +21,20 @@ TEMP = 0.7
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def executor(tmp_path_factory):
+    port = free_port()
+    ex = Proc("executor", ["executor_service.py", "--port", str(port)], tmp_path_factory.mktemp("executor"))
+    try:
+        ex.wait_http(f"http://127.0.0.1:{port}/health", 60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        ex.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, executor):
     d = tmp_path_factory.mktemp("genworker")
-    ex_port, ref_port, w_port = free_port(), free_port(), free_port()
+    ex_port, ref_port, w_port = int(executor.rsplit(":", 1)[1]), free_port(), free_port()
     sets = [f"executor.url=http://127.0.0.1:{ex_port}", f"ref_server.url=http://127.0.0.1:{ref_port}",
             "model.dtype=float32", f"rollout.temperature={TEMP}", "rollout.prompts_per_step=2",
             "rollout.group_size=4", "rollout.max_new_tokens=160", "rollout.drain_timeout_s=20", "grpo.beta=0",
@@ -31,11 +42,8 @@ def stack(tmp_path_factory):
     args = ["--config", "configs/cpu_demo.yaml"] + [x for s in sets for x in ("--set", s)]
     procs = []
     try:
-        ex = Proc("executor", ["executor_service.py", "--port", str(ex_port)], d)
-        procs.append(ex)
         ref = Proc("ref_server", ["ref_server.py", *args, "--port", str(ref_port)], d)
         procs.append(ref)
-        ex.wait_http(f"http://127.0.0.1:{ex_port}/health", 60)
         ref.wait_http(f"http://127.0.0.1:{ref_port}/health", 120)
         w = Proc("worker", ["gen_worker.py", *args, "--port", str(w_port), "--worker-id", "w-test"], d)
         procs.append(w)
@@ -163,10 +171,10 @@ def test_bad_weight_updates_are_refused(stack):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
-def test_rollout_only_writes_scored_jsonl(stack, tmp_path):
+def test_rollout_only_writes_scored_jsonl(executor, tmp_path):
     out = tmp_path / "roll.jsonl"
     p = Proc("rollout_only", ["gen_worker.py", "--config", "configs/cpu_tiny.yaml", "--set",
-                              f"executor.url={stack['ex']}", "--rollout-only", "--num-prompts", "2",
+                              f"executor.url={executor}", "--rollout-only", "--num-prompts", "2",
                               "--out", str(out)], tmp_path)
     try:
         assert p.p.wait(timeout=600) == 0, p.tail()

@@ -122,6 +122,9 @@ async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, 
                                                      lambda: worker.version, cfg.rollout.heartbeat_s))
         try:
             await upload_loop(worker, ref, max_groups)
+            if max_groups is not None:  # done producing; keep serving updates and probes until stopped
+                log.info("produced %d groups; now only serving", max_groups)
+                await serve_task
         finally:
             hb.cancel()
     finally:

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# launch.sh: the whole system on one node: executor, reference server, N gen workers, learner.
+#
+#   ./launch.sh --config configs/cpu_demo.yaml [--workers N] [--run-dir DIR] [--set k=v ...]
+#               [--ref-gpu 0] [--worker-gpus 1,2,3] [--learner-gpus 4,5,6,7] [--resume]
+#
+# Every process gets its own log in the run directory and its own process group. Ctrl-C, or
+# the death of the learner or the reference server, stops everything this script started. The
+# executor is restarted if it dies; a dead gen worker is reported and the others carry on.
+# At the end: RUN_DIR/summary.json (with a sync check of every worker) and RUN_DIR/curves.png.
+#
+# More gen workers can join at any time, from this node or another:
+#   python gen_worker.py --config CFG --set ref_server.url=http://HEAD:PORT \
+#       --set executor.url=http://HEAD:PORT --host 0.0.0.0 --public-url http://THIS_NODE:PORT
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+
+CONFIG=configs/cpu_demo.yaml
+RUN_DIR=""
+WORKERS=1
+RESUME=""
+REF_GPU=""
+WORKER_GPUS=""
+LEARNER_GPUS=""
+SETS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --config) CONFIG=$2; shift 2 ;;
+    --run-dir) RUN_DIR=$2; shift 2 ;;
+    --workers) WORKERS=$2; shift 2 ;;
+    --set) SETS+=(--set "$2"); shift 2 ;;
+    --resume) RESUME=--resume; shift ;;
+    --ref-gpu) REF_GPU=$2; shift 2 ;;
+    --worker-gpus) WORKER_GPUS=$2; shift 2 ;;
+    --learner-gpus) LEARNER_GPUS=$2; shift 2 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+RUN_DIR=${RUN_DIR:-runs/$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$RUN_DIR/logs"
+RUN_DIR=$(cd "$RUN_DIR" && pwd)
+
+get() { "$PY" config.py --config "$CONFIG" "${SETS[@]}" --get "$1"; }
+"$PY" config.py --config "$CONFIG" "${SETS[@]}" --print > "$RUN_DIR/config.yaml"  # validates first
+EX_PORT=$(get executor.port); REF_PORT=$(get ref_server.port); W_PORT=$(get rollout.port)
+SETS+=(--set "executor.url=http://127.0.0.1:$EX_PORT" --set "ref_server.url=http://127.0.0.1:$REF_PORT")
+COMMON=(--config "$CONFIG" "${SETS[@]}")
+
+declare -A PIDS=()
+declare -A REPORTED=()
+STARTED_AT=$(date +%s)
+stop_all() {
+  trap - EXIT INT TERM
+  for name in "${!PIDS[@]}"; do kill -TERM -- "-${PIDS[$name]}" 2>/dev/null || true; done
+  for _ in $(seq 1 40); do
+    alive=0
+    for name in "${!PIDS[@]}"; do kill -0 "${PIDS[$name]}" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 0.25
+  done
+  for name in "${!PIDS[@]}"; do kill -KILL -- "-${PIDS[$name]}" 2>/dev/null || true; done
+}
+trap 'echo "launch.sh: stopping everything"; stop_all; exit 130' INT TERM
+trap 'stop_all' EXIT
+
+start() {  # start NAME GPUS CMD...: its own session (process group) and log file
+  local name=$1 gpus=$2; shift 2
+  if [ -n "$gpus" ]; then export CUDA_VISIBLE_DEVICES=$gpus; else unset CUDA_VISIBLE_DEVICES; fi
+  setsid "$@" > "$RUN_DIR/logs/$name.log" 2>&1 < /dev/null &
+  PIDS[$name]=$!
+  unset CUDA_VISIBLE_DEVICES
+}
+
+wait_health() {  # wait_health NAME URL TIMEOUT_S
+  local name=$1 url=$2 deadline=$(( $(date +%s) + $3 ))
+  until "$PY" -c "import httpx,sys; sys.exit(httpx.get('$url', timeout=2).status_code != 200)" 2>/dev/null; do
+    if ! kill -0 "${PIDS[$name]}" 2>/dev/null; then
+      echo "launch.sh: $name died while starting; last lines of $RUN_DIR/logs/$name.log:" >&2
+      tail -n 30 "$RUN_DIR/logs/$name.log" >&2; exit 1
+    fi
+    if [ "$(date +%s)" -gt $deadline ]; then echo "launch.sh: $name not healthy at $url after $3 s" >&2; exit 1; fi
+    sleep 1
+  done
+  echo "  $name ready ($url)"
+}
+
+echo "run directory: $RUN_DIR"
+"$PY" -m toolrl.models --model "$(get model.name)" --path-only > "$RUN_DIR/logs/model.log" 2>&1 \
+  || { echo "launch.sh: model preparation failed:" >&2; tail -n 20 "$RUN_DIR/logs/model.log" >&2; exit 1; }
+
+start executor "" "$PY" executor_service.py "${COMMON[@]}" --port "$EX_PORT"
+start ref_server "$REF_GPU" "$PY" ref_server.py "${COMMON[@]}" --port "$REF_PORT"
+wait_health executor "http://127.0.0.1:$EX_PORT/health" 120
+wait_health ref_server "http://127.0.0.1:$REF_PORT/health" 600
+IFS=, read -r -a WGPU <<< "$WORKER_GPUS"
+for i in $(seq 0 $((WORKERS - 1))); do
+  gpu=""; [ ${#WGPU[@]} -gt 0 ] && gpu=${WGPU[$(( i % ${#WGPU[@]} ))]}
+  start "gen_worker_$i" "$gpu" "$PY" gen_worker.py "${COMMON[@]}" --port $((W_PORT + i)) --worker-id "worker-$i"
+done
+for i in $(seq 0 $((WORKERS - 1))); do wait_health "gen_worker_$i" "http://127.0.0.1:$((W_PORT + i))/health" 900; done
+
+if [ -n "$LEARNER_GPUS" ]; then
+  NGPU=$(awk -F, '{print NF}' <<< "$LEARNER_GPUS")
+  start learner "" "$(dirname "$PY")/deepspeed" --include "localhost:$LEARNER_GPUS" --master_port $((REF_PORT + 1000)) \
+    learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME
+else  # CPU: one rank on DeepSpeed's CPU accelerator
+  start learner "" "$(dirname "$PY")/deepspeed" --num_gpus 1 --master_port $((REF_PORT + 1000)) \
+    learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME
+fi
+cat <<EOF
+all components up. Watch:
+  progress     tail -f $RUN_DIR/logs/learner.log
+  logs         $RUN_DIR/logs/{executor,ref_server,gen_worker_*,learner}.log
+  TensorBoard  tensorboard --logdir $RUN_DIR/logs/tensorboard
+  WandB        $RUN_DIR/logs/wandb   (offline: wandb sync $RUN_DIR/logs/wandb/offline-run-*)
+EOF
+
+LAST_LINE=""
+EX_RESTARTS=0
+while kill -0 "${PIDS[learner]}" 2>/dev/null; do
+  line=$(grep -E '^step [0-9]+/' "$RUN_DIR/logs/learner.log" 2>/dev/null | tail -n 1 || true)
+  if [ -n "$line" ] && [ "$line" != "$LAST_LINE" ]; then echo "  $line"; LAST_LINE=$line; fi
+  if ! kill -0 "${PIDS[ref_server]}" 2>/dev/null; then echo "launch.sh: ref_server died; stopping" >&2; exit 1; fi
+  if ! kill -0 "${PIDS[executor]}" 2>/dev/null; then
+    EX_RESTARTS=$((EX_RESTARTS + 1))
+    [ $EX_RESTARTS -gt 5 ] && { echo "launch.sh: executor keeps dying; stopping" >&2; exit 1; }
+    echo "launch.sh: executor died; restarting it (tool calls fail meanwhile)" >&2
+    mv "$RUN_DIR/logs/executor.log" "$RUN_DIR/logs/executor.$EX_RESTARTS.log"
+    start executor "" "$PY" executor_service.py "${COMMON[@]}" --port "$EX_PORT"
+  fi
+  alive=0
+  for i in $(seq 0 $((WORKERS - 1))); do
+    if kill -0 "${PIDS[gen_worker_$i]}" 2>/dev/null; then alive=$((alive + 1))
+    elif [ -z "${REPORTED[$i]:-}" ]; then
+      echo "launch.sh: gen_worker_$i died (see its log); the others carry on" >&2; REPORTED[$i]=1
+    fi
+  done
+  # Workers that joined from elsewhere also count: only give up when the registry is empty too.
+  if [ $alive = 0 ] && ! "$PY" -c "import sys; from toolrl.refserver.client import RefServerClient as C; sys.exit(not C('http://127.0.0.1:$REF_PORT', timeout_s=5).workers())" 2>/dev/null; then
+    echo "launch.sh: no gen worker left; stopping" >&2; exit 1
+  fi
+  sleep 2
+done
+set +e
+wait "${PIDS[learner]}"; RC=$?
+set -e
+[ "$RC" = 0 ] || { echo "launch.sh: learner failed (exit $RC); last lines:" >&2; tail -n 30 "$RUN_DIR/logs/learner.log" >&2; exit 1; }
+echo "training done; checking every worker against the final policy and writing the report"
+"$PY" -m toolrl.runinfo "$RUN_DIR" "${COMMON[@]}" --wall-s $(( $(date +%s) - STARTED_AT )) | tee "$RUN_DIR/logs/summary.log"
+echo "summary: $RUN_DIR/summary.json   curves: $RUN_DIR/curves.png"
