@@ -829,7 +829,8 @@ def main() -> None:
             report["preimported"].append(name)
         except Exception as exc:  # an optional module (numpy, sympy) that is not installed
             report["preimport_missing"].append(f"{name}: {type(exc).__name__}")
-    runner.set_base_path([p for p in sys.path if p and p != os.getcwd()])
+    runner.prepare_parent([p for p in sys.path if p and p != os.getcwd()],
+                          (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT))
     lanes = LaneFactory(scratch, report, cgroups, report["uid_drop"], cfg["limits"]["disk_mb"],
                         cfg["limits"]["nproc"])
     server = ForkServer(sock_fd, cfg, report, cgroups, lanes, sweeper)
