@@ -33,6 +33,7 @@ endif
 
 demo: install
 	$(PY) -m toolrl.models --model smollm2-135m-instruct "Explain in one sentence what a Python interpreter does."
+	./launch.sh --config configs/cpu_demo.yaml
 
 test: install
 	$(PY) -m pytest -q -ra

@@ -96,9 +96,13 @@ start ref_server "$REF_GPU" "$PY" ref_server.py "${COMMON[@]}" --port "$REF_PORT
 wait_health executor "http://127.0.0.1:$EX_PORT/health" 120
 wait_health ref_server "http://127.0.0.1:$REF_PORT/health" 600
 IFS=, read -r -a WGPU <<< "$WORKER_GPUS"
+NCPU=$(nproc)
 for i in $(seq 0 $((WORKERS - 1))); do
-  gpu=""; [ ${#WGPU[@]} -gt 0 ] && gpu=${WGPU[$(( i % ${#WGPU[@]} ))]}
-  start "gen_worker_$i" "$gpu" "$PY" gen_worker.py "${COMMON[@]}" --port $((W_PORT + i)) --worker-id "worker-$i"
+  gpu=""; bind=()
+  if [ ${#WGPU[@]} -gt 0 ]; then gpu=${WGPU[$(( i % ${#WGPU[@]} ))]}
+  elif [ "$WORKERS" -gt 1 ]; then bind=(--set "rollout.cpu_threads_bind=$(( i % NCPU ))"); fi  # one core each
+  start "gen_worker_$i" "$gpu" "$PY" gen_worker.py "${COMMON[@]}" "${bind[@]}" --port $((W_PORT + i)) \
+    --worker-id "worker-$i"
 done
 for i in $(seq 0 $((WORKERS - 1))); do wait_health "gen_worker_$i" "http://127.0.0.1:$((W_PORT + i))/health" 900; done
 

@@ -61,6 +61,7 @@ def main() -> None:
     elif rank0:
         ref.set_version(trainer.version)
 
+    acc_ema = None  # drives the decay of the teacher-SFT weight as the policy gets better
     while trainer.step < cfg.learner.steps:
         t0 = time.time()
         batch, deadline = None, t0 + cfg.learner.batch_timeout_s
@@ -72,7 +73,10 @@ def main() -> None:
             batch = ref.get_batch(max(1, cfg.learner.batch_samples // world), cfg.learner.batch_tokens // world,
                                   wait_s=min(10.0, cfg.ref_server.batch_wait_s))
         t1 = time.time()
-        metrics = trainer.train_step(batch)
+        w_teacher = cfg.grpo.w_teacher
+        if cfg.teacher.decay_at_accuracy is not None and acc_ema is not None:
+            w_teacher *= max(0.0, 1.0 - acc_ema / cfg.teacher.decay_at_accuracy)
+        metrics = trainer.train_step(batch, w_teacher=w_teacher)
         t2 = time.time()
         synced = {}
         if trainer.step % cfg.learner.sync_every == 0:
@@ -88,6 +92,8 @@ def main() -> None:
                 for s in batch:
                     f.write(json.dumps(sample_record(s, step=trainer.step)) + "\n")
         metrics.update(batch_stats(batch, trainer.version))
+        a = cfg.teacher.ema
+        acc_ema = metrics["accuracy"] if acc_ema is None else a * acc_ema + (1 - a) * metrics["accuracy"]
         metrics.update(time_wait_s=t1 - t0, time_compute_s=t2 - t1, time_sync_s=t3 - t2, step_time_s=time.time() - t0,
                        policy_version=trainer.version, workers_ok=synced.get("workers_ok", 0),
                        workers_failed=synced.get("workers_failed", 0))

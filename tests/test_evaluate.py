@@ -1,0 +1,74 @@
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolrl.data import DataError
+from toolrl.evaluation import load_task, pass_at_k, resolve_eval_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("n, c", [(1, 0), (1, 1), (5, 2), (10, 3), (10, 10), (7, 0)])
+def test_pass_at_k_is_the_unbiased_estimator(n, c):
+    # brute force: the fraction of k-subsets of the n samples that contain a correct one
+    outcomes = [1] * c + [0] * (n - c)
+    for k in range(1, n + 1):
+        subsets = list(itertools.combinations(outcomes, k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+    with pytest.raises(ValueError, match="at least"):
+        pass_at_k(n, c, n + 1)
+
+
+def test_run_directory_means_its_export(tmp_path):
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "config.json").write_text("{}")
+    assert resolve_eval_model(str(tmp_path)) == str(tmp_path / "export")
+    assert resolve_eval_model("smollm2-135m-instruct") == "smollm2-135m-instruct"
+    with pytest.raises(FileNotFoundError, match="run directory"):
+        resolve_eval_model(str(tmp_path.parent))
+
+
+def test_tasks():
+    assert [p.level for p in load_task("arithmetic:3", 4, seed=9, level=1)] == [3] * 4
+    assert len(load_task(f"gsm8k:{ROOT / 'tests/fixtures/gsm8k_sample.jsonl'}", 2, 0, 1)) == 2
+    with pytest.raises(DataError, match="unknown task"):
+        load_task("chess:x", 1, 0, 1)
+    with pytest.raises(DataError, match="needs a file"):
+        load_task("gsm8k", 1, 0, 1)
+
+
+@pytest.mark.slow
+def test_evaluate_cli_on_the_tiny_model(tmp_path):
+    out = tmp_path / "eval.json"
+    p = subprocess.run([sys.executable, "evaluate.py", "--config", "configs/cpu_tiny.yaml", "--model", "tiny-random",
+                        "--task", "arithmetic:2", "--n-problems", "3", "--samples", "2", "--ks", "1,2,5",
+                        "--out", str(out), "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["n_problems"] == 3 and res["n_samples"] == 6
+    assert set(res["pass_at_k"]) == {"1", "2"}  # k=5 > samples is left out
+    assert res["tool_calls_per_answer"] == pytest.approx(1.0)  # the tiny config's prefill runs one program
+    assert res["code_executed_rate"] == 1.0 and res["accuracy"] == 0.0
+    assert len(res["per_problem"]) == 3 and all(r["n"] == 2 for r in res["per_problem"])
+    printed = json.loads(p.stdout.strip().splitlines()[-1])
+    assert set(printed) == {"accuracy", "pass_at_k", "format_rate", "tool_calls_per_answer"}
+    assert "accuracy" in p.stderr  # the table
+
+
+@pytest.mark.slow
+def test_inference_cli_shows_the_tool_loop():
+    p = subprocess.run([sys.executable, "inference.py", "--config", "configs/cpu_tiny.yaml", "--model", "tiny-random",
+                        "What is 6 times 7?"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "print(6 * 7)" in p.stdout and "42" in p.stdout and "answer:" in p.stdout
+    assert "1 tool call(s)" in p.stdout
+
+
+def test_bad_arguments_fail_clearly():
+    p = subprocess.run([sys.executable, "evaluate.py", "--model", "tiny-random", "--task", "chess:x"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown task" in p.stderr

@@ -1,0 +1,118 @@
+"""Failures during a real run (tiny model, all five processes): a worker dies, a worker joins, the
+executor dies and comes back, the learner dies and resumes from its checkpoint."""
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procs import Proc, free_port  # noqa: E402
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+
+
+def wait_until(what, pred, timeout_s=300, every=1.0):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise TimeoutError(f"timed out waiting for: {what}")
+
+
+def kill(proc: Proc) -> None:
+    os.killpg(proc.p.pid, signal.SIGKILL)
+    proc.p.wait(timeout=30)
+
+
+def test_the_run_survives_failures(tmp_path):
+    ports = {"ex": free_port(), "ref": free_port()}
+    run = tmp_path / "run"
+    sets = [f"executor.url=http://127.0.0.1:{ports['ex']}", f"ref_server.url=http://127.0.0.1:{ports['ref']}",
+            f"learner.steps={STEPS}", "learner.checkpoint_every=2", "rollout.heartbeat_s=1",
+            "ref_server.worker_ttl_s=4", "ref_server.max_staleness=1", "logging.wandb_mode=disabled",
+            "executor.client_retries=1", "executor.client_timeout_s=5"]
+    args = ["--config", "configs/cpu_tiny.yaml"] + [x for s in sets for x in ("--set", s)]
+    procs: dict[str, Proc] = {}
+    metrics = run / "logs" / "metrics.jsonl"
+    samples = run / "logs" / "samples.jsonl"
+
+    def step():
+        if not metrics.is_file():
+            return 0
+        lines = metrics.read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+
+    def rows():
+        return [json.loads(x) for x in samples.read_text().splitlines()] if samples.is_file() else []
+
+    def start_worker(name, core):
+        port = free_port()  # each vLLM worker pinned to its own core, as launch.sh does
+        procs[name] = Proc(name, ["gen_worker.py", *args, "--set", f"rollout.cpu_threads_bind={core}",
+                                  "--port", str(port), "--worker-id", name], tmp_path)
+        procs[name].wait_http(f"http://127.0.0.1:{port}/health", 600)
+        return f"http://127.0.0.1:{port}"
+
+    def start_learner(*extra):
+        procs["learner"] = Proc("learner", [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1",
+                                            "--master_port", str(free_port()), "learner.py", *args,
+                                            "--run-dir", str(run), *extra], tmp_path)
+
+    try:
+        procs["executor"] = Proc("executor", ["executor_service.py", "--port", str(ports["ex"])], tmp_path)
+        procs["ref"] = Proc("ref", ["ref_server.py", *args, "--port", str(ports["ref"])], tmp_path)
+        procs["executor"].wait_http(f"http://127.0.0.1:{ports['ex']}/health", 120)
+        procs["ref"].wait_http(f"http://127.0.0.1:{ports['ref']}/health", 300)
+        start_worker("worker-a", 0)
+        start_worker("worker-b", 1)
+        start_learner()
+        wait_until("step 2", lambda: step() >= 2, 600)
+
+        # 1. one of two workers dies: training continues on the other
+        kill(procs["worker-b"])
+        s0 = step()
+        wait_until("two more steps without worker-b", lambda: step() >= s0 + 2, 300)
+        live = lambda: {w["id"] for w in httpx.get(f"http://127.0.0.1:{ports['ref']}/workers").json()["workers"]}  # noqa: E731
+        wait_until("worker-b leaves the registry", lambda: live() == {"worker-a"}, 60)
+
+        # 2. a new worker joins: it registers, gets the current weights, and contributes
+        url_c = start_worker("worker-c", 1)
+        wait_until("worker-c catches up", lambda: httpx.get(f"{url_c}/health").json()["policy_version"] >= 1, 300)
+        wait_until("worker-c contributes", lambda: any(r["group_id"].startswith("worker-c") for r in rows()), 300)
+        joined = [r for r in rows() if r["group_id"].startswith("worker-c")]
+        assert min(r["policy_version"] for r in joined) >= 1  # never trained on the stale base weights
+
+        # 3. the executor dies: tool calls fail fast instead of hanging, and the run goes on
+        kill(procs["executor"])
+        s1 = step()
+        wait_until("samples with tool errors", lambda: any(
+            r["step"] > s1 and r["tool_calls"][0]["status"] == "unavailable" for r in rows()), 300)
+        procs["executor"] = Proc("executor2", ["executor_service.py", "--port", str(ports["ex"])], tmp_path)
+        procs["executor"].wait_http(f"http://127.0.0.1:{ports['ex']}/health", 120)
+        s2 = step()
+        wait_until("tools work again", lambda: any(
+            r["step"] > s2 and r["tool_calls"][0]["status"] == "ok" for r in rows()), 300)
+
+        # 4. the learner dies and resumes from its last checkpoint
+        wait_until("a checkpoint", lambda: (run / "checkpoints" / "latest").is_file(), 120)
+        kill(procs["learner"])
+        ckpt = (run / "checkpoints" / "latest").read_text().strip()
+        resumed_from = int(ckpt.removeprefix("step"))
+        assert resumed_from < STEPS
+        start_learner("--resume")
+        assert procs["learner"].p.wait(timeout=900) == 0, procs["learner"].tail()
+        log = procs["learner"].log.read_text()
+        assert f"resumed at step {resumed_from}" in log
+        assert f"step {resumed_from + 1}/{STEPS}" in log and f"step {resumed_from}/{STEPS}" not in log
+        assert step() == STEPS
+        assert (run / "export" / "model.safetensors").is_file()
+    finally:
+        for p in procs.values():
+            p.stop()

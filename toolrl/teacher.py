@@ -1,0 +1,76 @@
+"""A programmatic teacher for the built-in arithmetic task.
+
+The generator knows the exact expression behind every problem, so the teacher writes the ideal
+trace: brief reasoning, a `<program>` with a python fence that computes the answer, the marker
+line, the program's real output *from the executor service*, and `<answer>\\boxed{N}</answer>`.
+The trace is built from the same pieces as a rollout (prompt ids with the prefill, model
+segments, a tool segment tokenised by `tool_segment_ids`), so it teaches exactly the token layout
+rollouts produce, and the tool output is masked out of the SFT loss like any tool output.
+Wording and program style vary so the model learns the behaviour, not one string.
+"""
+from __future__ import annotations
+
+import random
+
+from .data import Problem
+from .prompts import STOP_MARKER
+from .protocol import Sample
+from .rollout import Tool, tool_output_text, tool_segment_ids
+
+_REASONING = [
+    "I need to compute this exactly, so I will use Python.",
+    "Let me write the calculation as a program instead of doing it in my head.",
+    "The numbers are large. I will let Python do the arithmetic.",
+    "I will turn the question into an expression and run it.",
+    "This needs multiplication with big numbers, so I will compute it with Python.",
+]
+_CONCLUSION = [
+    "The program printed {n}, so the answer is {n}.",
+    "So the result is {n}.",
+    "The computation gives {n}.",
+    "Python says {n}, which answers the question.",
+]
+
+
+def teacher_program(problem: Problem, rng: random.Random) -> str:
+    """The program that solves the problem, in one of a few styles."""
+    expr = problem.meta["expression"]
+    nums = problem.meta["numbers"]
+    style = rng.randrange(3)
+    if style == 0:
+        return f"print({expr})"
+    if style == 1:
+        return f"result = {expr}\nprint(result)"
+    names = {k: f"{k}_value" if rng.random() < 0.5 else k for k in nums}
+    lines = [f"{names[k]} = {v}" for k, v in nums.items()]
+    body = expr
+    for k, v in sorted(nums.items(), key=lambda kv: -len(str(kv[1]))):  # replace longer numbers first
+        body = body.replace(str(v), names[k], 1)
+    return "\n".join(lines + [f"total = {body}", "print(total)"])
+
+
+async def teacher_sample(problem: Problem, prompt_ids: list[int], tokenizer, tool: Tool, max_tool_output_tokens: int,
+                         rng: random.Random, group_id: str, policy_version: int) -> Sample | None:
+    """One ideal trace as a Sample (source 'teacher'); None if the executor's output disagrees with
+    the known answer (then there is nothing to teach)."""
+    if problem.program is None or "expression" not in problem.meta:
+        return None
+    code = teacher_program(problem, rng)
+    head = f"{rng.choice(_REASONING)}\n<program>\n```python\n{code}\n```\n</program>\n{STOP_MARKER}"
+    call = await tool.run(code, None)
+    if call.status != "ok" or call.output.strip() != problem.answer:
+        return None
+    n = call.output.strip()
+    tail = f"{rng.choice(_CONCLUSION).format(n=n)}\n</think>\n<answer>\n\\boxed{{{n}}}\n</answer>"
+    head_ids = tokenizer.encode(head, add_special_tokens=False)
+    tool_ids = tool_segment_ids(tokenizer, tool_output_text(call), max_tool_output_tokens)
+    tail_ids = tokenizer.encode(tail, add_special_tokens=False)
+    if tokenizer.eos_token_id is not None:
+        tail_ids.append(tokenizer.eos_token_id)  # the trace ends the turn, as a finished rollout does
+    ids = head_ids + tool_ids + tail_ids
+    mask = [1] * len(head_ids) + [0] * len(tool_ids) + [1] * len(tail_ids)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    return Sample(prompt_ids=prompt_ids, completion_ids=ids, loss_mask=mask,
+                  logprobs=[0.0 if m else None for m in mask],  # not sampled: never used as behaviour logprobs
+                  rewards={"correct": 1.0}, reward=1.0, advantage=0.0, group_id=group_id,
+                  policy_version=policy_version, source="teacher", stop_reason="eos", tool_calls=[call], text=text)
