@@ -1,4 +1,6 @@
-"""The sandboxed Python execution service: `python executor_service.py [--config F] [--set k=v] [--host H] [--port P]`.
+"""The sandboxed Python execution service.
+
+    python executor_service.py [--config F] [--set k=v] [--host H] [--port P]
 
 Binds 127.0.0.1 unless told otherwise. All logic lives in toolrl.sandbox (docs/EXECUTOR.md).
 """

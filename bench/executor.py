@@ -27,26 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from toolrl.sandbox.client import AsyncExecutorClient, ExecutorClient  # noqa: E402
+from toolrl.sandbox.local import LocalExecutor  # noqa: E402
 
 SNIPPET = "print(1+1)"
 
 
-def start_service(port: int, workers: int | None) -> subprocess.Popen:
-    cmd = [sys.executable, str(ROOT / "executor_service.py"), "--port", str(port), "--log-level", "WARNING",
-           "--set", "executor.max_queue=1024"]
-    if workers:
-        cmd += ["--set", f"executor.workers={workers}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    deadline = time.monotonic() + 90
-    with ExecutorClient(f"http://127.0.0.1:{port}", timeout_s=5) as c:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"executor_service.py exited with {proc.returncode}")
-            if c.health():
-                return proc
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("executor_service.py did not become healthy in 90 s")
+def start_service(port: int, workers: int | None) -> LocalExecutor:
+    sets = ["executor.max_queue=1024"] + ([f"executor.workers={workers}"] if workers else [])
+    return LocalExecutor(port=port, sets=sets).start()
 
 
 def bench_batch(url: str, batch: int, total: int) -> float:
@@ -127,7 +115,7 @@ def main() -> None:
 
     port = free_port(args.port)
     url = f"http://127.0.0.1:{port}"
-    proc = start_service(port, args.workers)
+    service = start_service(port, args.workers)
     try:
         with ExecutorClient(url) as c:
             c.execute_batch([{"code": SNIPPET}] * 64)  # warm-up
@@ -140,11 +128,7 @@ def main() -> None:
                   f"subprocess-per-snippet {sub_rates[-1]:.0f} exec/s", flush=True)
         lat = asyncio.run(bench_latency(url, 8, args.c8_requests))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        service.stop()
     batch = statistics.median(batch_rates)
     sub = statistics.median(sub_rates)
     p50, p99 = pct(lat, 0.50), pct(lat, 0.99)
@@ -154,7 +138,8 @@ def main() -> None:
           f"max {max(lat):.1f} ms")
     print(json.dumps({"batch_exec_per_s": round(batch, 1), "ratio_vs_subprocess": round(batch / sub, 2),
                       "p99_ms_c8": round(p99, 1), "p50_ms_c8": round(p50, 1),
-                      "subprocess_exec_per_s": round(sub, 1), "batch_rounds": [round(x, 1) for x in batch_rates],
+                      "subprocess_exec_per_s": round(sub, 1),
+                      "batch_rounds": [round(x, 1) for x in batch_rates],
                       "subprocess_rounds": [round(x, 1) for x in sub_rates], "batch_size": args.batch,
                       "workers": workers, "c8_requests": len(lat)}))
 

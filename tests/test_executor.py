@@ -386,7 +386,7 @@ def _mixed(i: int) -> tuple[dict, callable]:
         return ({"code": f"import sys; sys.exit({i % 200 + 1})"},
                 lambda r: r.status == "error" and r.exit_code == i % 200 + 1)
     if kind == 3:
-        return ({"code": f"print(input()[::-1])", "stdin": f"abc{i}\n"},
+        return ({"code": "print(input()[::-1])", "stdin": f"abc{i}\n"},
                 lambda r: r.status == "ok" and r.stdout == f"abc{i}"[::-1] + "\n")
     if kind == 4:
         return ({"code": "while True: pass", "timeout_s": 0.3}, lambda r: r.status == "timeout")

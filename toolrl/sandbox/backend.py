@@ -67,7 +67,8 @@ class Backend:
             hello = await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ipc.FrameError) as exc:
             self._kill_proc()
-            raise BackendDown(f"the fork server did not start (exit code {self.proc.poll()}): {exc!r}") from None
+            raise BackendDown(f"the fork server did not start (exit code {self.proc.poll()}): "
+                              f"{exc!r}") from None
         if hello.get("op") != "hello":
             self._kill_proc()
             raise BackendDown(f"unexpected first message from the fork server: {hello!r}")
@@ -122,7 +123,8 @@ class Backend:
                         self._avg_s = 0.95 * self._avg_s + 0.05 * item["result"]["wall_ms"] / 1000
         except (asyncio.IncompleteReadError, ConnectionError, ipc.FrameError, OSError) as exc:
             if not self.stopping:
-                log.error("lost the fork server (%r, exit code %s)", exc, self.proc.poll() if self.proc else None)
+                log.error("lost the fork server (%r, exit code %s)", exc,
+                          self.proc.poll() if self.proc else None)
         except asyncio.CancelledError:
             return
         self.ready = False

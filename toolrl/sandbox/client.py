@@ -53,7 +53,8 @@ class _Common:
 
     @staticmethod
     def _exec_payload(code: str, timeout_s, memory_mb, stdin, session_id) -> dict:
-        req = ExecRequest(code=code, timeout_s=timeout_s, memory_mb=memory_mb, stdin=stdin, session_id=session_id)
+        req = ExecRequest(code=code, timeout_s=timeout_s, memory_mb=memory_mb, stdin=stdin,
+                          session_id=session_id)
         return req.model_dump(exclude_none=True)
 
     @staticmethod
@@ -84,7 +85,8 @@ class _Common:
                     return None
                 raise ExecutorUnavailable(f"cannot reach the executor at {self.url}{path} after "
                                           f"{attempt + 1} attempts: {exc!r}") from exc
-            raise ExecutorUnavailable(f"no usable answer from the executor at {self.url}{path}: {exc!r}") from exc
+            raise ExecutorUnavailable(f"no usable answer from the executor at {self.url}{path}: "
+                                      f"{exc!r}") from exc
         assert resp is not None
         if resp.status_code in RETRY_STATUS:
             if attempt < self.retries:
@@ -92,9 +94,11 @@ class _Common:
             raise ExecutorUnavailable(f"executor at {self.url} still busy after {attempt + 1} attempts: "
                                       f"{resp.status_code} {_detail(resp)}", resp.status_code)
         if 400 <= resp.status_code < 500:
-            raise ExecutorRequestError(f"executor refused {path}: {resp.status_code} {_detail(resp)}", resp.status_code)
+            raise ExecutorRequestError(f"executor refused {path}: {resp.status_code} {_detail(resp)}",
+                                       resp.status_code)
         if resp.status_code >= 500:
-            raise ExecutorError(f"executor error on {path}: {resp.status_code} {_detail(resp)}", resp.status_code)
+            raise ExecutorError(f"executor error on {path}: {resp.status_code} {_detail(resp)}",
+                                resp.status_code)
         return resp
 
 

@@ -1,9 +1,10 @@
 """Linux isolation for the fork server, set up with plain syscalls (no bubblewrap/nsjail needed).
 
 `enter_namespaces` and `Cgroups` run in the fork server's first process (where /proc still shows the
-host); `setup_filesystem` and `probe_uid_drop` run in the PID-1 child it forks. Each layer that cannot be set up is recorded in
-`report["missing"]` with what its absence means; the front end logs every entry loudly and can refuse
-to start (`executor.strict_isolation`). Nothing is weakened without appearing there.
+host); `setup_filesystem` and `probe_uid_drop` run in the PID-1 child it forks. Each layer that
+cannot be set up is recorded in `report["missing"]` with what its absence means; the front end
+logs every entry loudly and can refuse to start (`executor.strict_isolation`). Nothing is weakened
+without appearing there.
 """
 from __future__ import annotations
 

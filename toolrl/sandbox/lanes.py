@@ -32,9 +32,8 @@ class Lane:
     def __init__(self, name: str, uid: int | None, workdir: str, mounted: bool, procs: list[str]):
         self.name, self.uid, self.workdir, self.mounted, self.procs = name, uid, workdir, mounted, procs
 
-    def for_child(self, vm_bytes: int) -> dict:
-        """vm_bytes: the forking process's address-space size, which the child starts with."""
-        return {"uid": self.uid, "workdir": self.workdir, "cgroup_procs": self.procs, "vm_bytes": vm_bytes}
+    def for_child(self) -> dict:
+        return {"uid": self.uid, "workdir": self.workdir, "cgroup_procs": self.procs}
 
 
 class LaneFactory:
@@ -182,3 +181,49 @@ def _alive_with_uid(uid: int) -> bool:
         if real == uid and state not in (b"Z", b"X"):
             return True
     return False
+
+
+def sweep_descendants(protect: set[int], proc_consistent: bool) -> None:
+    """No per-lane uid and no cgroups: kill every descendant of this process except `protect`.
+
+    Only meaningful when /proc shows pids as we see them. In a PID namespace whose /proc is the
+    host's (no mount namespace), every process of the namespace is ours: kill(-1) from PID 1
+    reaches exactly those, live sessions included (the worst case; it is in the isolation report)."""
+    if not proc_consistent:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+    me = os.getpid()
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        parents = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as f:
+                        parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    pass
+        victims = []
+        for pid in parents:
+            if pid in protect or pid == me:
+                continue
+            cur, seen = parents.get(pid), 0
+            while cur and cur != me and cur not in protect and seen < 64:
+                cur, seen = parents.get(cur), seen + 1
+            if cur == me:
+                victims.append(pid)
+        if not victims:
+            return
+        for pid in victims:
+            _kill(pid)
+        time.sleep(0.002)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -25,8 +25,9 @@ def free_port() -> int:
 
 
 class LocalExecutor:
-    def __init__(self, port: int | None = None, sets: list[str] | tuple[str, ...] = (), token: str | None = None,
-                 log_path: str | Path | None = None, startup_timeout_s: float = 120.0):
+    def __init__(self, port: int | None = None, sets: list[str] | tuple[str, ...] = (),
+                 token: str | None = None, log_path: str | Path | None = None,
+                 startup_timeout_s: float = 120.0):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
@@ -40,12 +41,14 @@ class LocalExecutor:
         for s in self.sets:
             cmd += ["--set", s]
         out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout_s
         with ExecutorClient(self.url, token=self.token, timeout_s=5, retries=0) as c:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"executor_service.py exited with {self.proc.returncode}: {self.log_tail()}")
+                    raise RuntimeError(f"executor_service.py exited with {self.proc.returncode}: "
+                                       f"{self.log_tail()}")
                 if c.health():
                     return self
                 time.sleep(0.1)

@@ -160,9 +160,10 @@ def _reseed_numpy(src: str) -> None:
 def prepare_parent(base_path: list[str], handled: tuple[int, ...]) -> None:
     """Run once in the fork server, so that each child has less to do (and fewer pages to copy).
 
-    base_path: sys.path for user code, after the working dir (the fork server needs no more). handled: the signals the fork server
-    gives handlers, which children reset. The environment becomes exactly ENV, and the stdio objects
-    children will use are made here: they only hold fd numbers 0-2, which each child rebinds."""
+    base_path: sys.path for user code, after the working dir (the forking process needs no more).
+    handled: the signals the forking process gives handlers, which children reset. The environment
+    becomes exactly ENV, and the stdio objects children will use are made here: they only hold fd
+    numbers 0-2, which each child rebinds."""
     global _STDIO
     sys.path[:] = base_path
     PARENT_HANDLED[:] = handled

@@ -58,7 +58,8 @@ class Executor:
         timeout = c.timeout_s if req.timeout_s is None else req.timeout_s
         memory = c.memory_mb if req.memory_mb is None else req.memory_mb
         if timeout > c.max_timeout_s:
-            raise LimitError(f"{where}timeout_s={timeout:g} is over this server's limit of {c.max_timeout_s:g}")
+            raise LimitError(f"{where}timeout_s={timeout:g} is over this server's limit of "
+                             f"{c.max_timeout_s:g}")
         if memory > c.max_memory_mb:
             raise LimitError(f"{where}memory_mb={memory} is over this server's limit of {c.max_memory_mb}")
         return {"code": req.code, "stdin": req.stdin, "timeout": float(timeout), "memory_mb": int(memory)}
@@ -92,7 +93,8 @@ class Executor:
         except (BackendDown, SessionsFull) as exc:
             raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
         except asyncio.TimeoutError as exc:
-            raise HTTPException(503, f"timed out waiting for results: {exc}", headers={"Retry-After": "5"}) from None
+            raise HTTPException(503, f"timed out waiting for results: {exc}",
+                                headers={"Retry-After": "5"}) from None
         finally:
             self.backend.release(len(jobs))
 
@@ -121,7 +123,8 @@ class Executor:
 def _result(item: dict, reset: str | None) -> ExecResult:
     reset = reset or item.get("reset")
     lost = item.get("lost")
-    notes = [f"session was reset: {reset}" if reset else None, f"session state lost: {lost}" if lost else None]
+    notes = [f"session was reset: {reset}" if reset else None,
+             f"session state lost: {lost}" if lost else None]
     note = "; ".join(n for n in notes if n) or None
     return ExecResult(**item["result"], session_reset=bool(reset), session_note=note)
 
@@ -149,7 +152,8 @@ def log_isolation(hello: dict, cfg: ExecutorConfig) -> None:
         log.warning("running %s slot(s), not executor.workers=%d (see the missing isolation above)",
                     hello.get("workers"), cfg.workers)
     if iso.get("missing") and cfg.strict_isolation:
-        raise RuntimeError("executor.strict_isolation is set and isolation is missing: " + "; ".join(iso["missing"]))
+        raise RuntimeError("executor.strict_isolation is set and isolation is missing: "
+                           + "; ".join(iso["missing"]))
 
 
 def create_app(cfg: ExecutorConfig) -> FastAPI:
@@ -187,8 +191,8 @@ def create_app(cfg: ExecutorConfig) -> FastAPI:
     async def execute_batch(request: Request) -> Response:
         req = _parse(BatchRequest, await read_body_capped(request, cfg.max_request_bytes))
         if len(req.items) > cfg.max_queue:
-            raise HTTPException(413, f"batch of {len(req.items)} items is over executor.max_queue={cfg.max_queue}; "
-                                     "split it")
+            raise HTTPException(413, f"batch of {len(req.items)} items is over "
+                                     f"executor.max_queue={cfg.max_queue}; split it")
         results = await ex.run(req.items, batch=True) if req.items else []
         return Response(BatchResponse(results=results).model_dump_json(), media_type="application/json")
 
