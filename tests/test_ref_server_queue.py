@@ -141,6 +141,13 @@ def test_async_put_waits_its_turn_then_times_out():
         q.complete(q.core.take_pending(100), None)
         assert tags(await q.take_batch(5, 100)) == ["g4"]
         assert await q.take_batch(5, 100, wait_s=0.05) == []  # nothing ready: empty after the wait, no hang
+        small = AsyncSampleQueue(SampleQueue(1, 10**9), max_waiting_bytes=sample_nbytes(mk(1)))
+        await small.put([mk(1)])
+        waiter = asyncio.create_task(small.put([mk(2)], wait_s=5))
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFull):  # the waiting room is bounded in bytes as well
+            await small.put([mk(3)], wait_s=5)
+        waiter.cancel()
 
     asyncio.run(main())
 

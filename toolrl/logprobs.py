@@ -12,6 +12,7 @@ with_entropy=False) -> float32 [B, T-1]`
     logprob of token t+1 given tokens <= t, i.e. `log_softmax(logits[:, :-1] / T).gather(ids[:, 1:])`,
     with logits computed in the model's dtype and upcast to fp32 before scaling (what a plain
     `model(ids).logits.float()` gives). With `with_entropy`, returns `(logprobs, entropy)`.
+    Rows must be right-padded (positions are taken as 0..T-1), as `pack_samples` makes them.
 
 `pack_samples(samples, pad_id=0, device="cpu") -> PackedBatch`
     right-padded `input_ids`/`attention_mask` of prompt+completion per Sample, plus completion

@@ -26,6 +26,7 @@ from .registry import RegistryError, WorkerRegistry
 
 MAX_UPLOAD_WAIT_S = 60.0  # a client may ask /upload to wait this long for space
 MAX_UPLOAD_WAITERS = 64  # uploads waiting for space at once (each holds its decoded group)
+MAX_CONCURRENT_DECODES = 4  # bodies read and decoded at once; the rest wait unread (uvicorn pauses them)
 
 
 class Replay:
@@ -86,6 +87,7 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     http = {"uploads_rejected": 0, "uploads_too_large": 0}
     started = time.monotonic()
     tasks: list[asyncio.Task] = []
+    decoding = asyncio.Semaphore(MAX_CONCURRENT_DECODES)
 
     def stats() -> dict[str, Any]:
         q, ref = {**queue.core.stats(), "upload_waiters": queue.upload_waiters}, reference.stats()
@@ -136,47 +138,51 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     @app.post("/upload", dependencies=auth)
     async def upload(request: Request, wait_s: float = Query(0.0, ge=0, le=MAX_UPLOAD_WAIT_S)):
         upload_id = request.headers.get("x-upload-id")
-        if upload_id is not None:
-            if len(upload_id) > 128:
-                raise reject(400, "X-Upload-Id is longer than 128 characters")
-            if (done := uploads.get(upload_id)) is not None:
-                return {**done, "duplicate": True}
-            if upload_id in uploads.in_flight:
-                raise _busy(f"upload {upload_id} is still being admitted; retry")
+        if upload_id is None:
+            return await admit(request, wait_s)
+        if len(upload_id) > 128:
+            raise reject(400, "X-Upload-Id is longer than 128 characters")
+        if (done := uploads.get(upload_id)) is not None:
+            return {**done, "duplicate": True}
+        if upload_id in uploads.in_flight:
+            raise _busy(f"upload {upload_id} is still being admitted; retry")
+        uploads.in_flight.add(upload_id)  # no await since the checks: a concurrent retry sees it
+        try:
+            result = await admit(request, wait_s)
+        finally:
+            uploads.in_flight.discard(upload_id)
+        uploads.put(upload_id, result)
+        return result
+
+    async def admit(request: Request, wait_s: float) -> dict[str, Any]:
         ctype = request.headers.get("content-type", "")
         if ctype.startswith(("application/json", "text/")):
             raise reject(400, f"expected a {CONTENT_TYPE} body (toolrl.protocol.encode_samples), got {ctype}")
         try:
-            body = await read_body_capped(request, rs.max_upload_bytes)
+            async with decoding:
+                body = await read_body_capped(request, rs.max_upload_bytes)
+                samples, _extra = await asyncio.to_thread(decode_samples, body, rs.max_upload_bytes)
+                del body
+            reference.validate(samples)
         except HTTPException as exc:
             raise reject(exc.status_code, str(exc.detail)) from None
-        try:
-            samples, _extra = await asyncio.to_thread(decode_samples, body, rs.max_upload_bytes)
-            reference.validate(samples)
         except PayloadTooLarge as exc:
             raise reject(413, str(exc)) from None
         except WireFormatError as exc:
             raise reject(400, f"malformed upload ({type(exc).__name__}): {exc}") from None
         except ValueError as exc:
             raise reject(400, f"unusable upload: {exc}") from None
-        if upload_id is not None:
-            uploads.in_flight.add(upload_id)
         try:
             adm = await queue.put(samples, wait_s)
         except GroupTooLarge as exc:
             raise reject(413, str(exc)) from None
         except QueueFull as exc:
             raise _busy(str(exc)) from None
-        finally:
-            uploads.in_flight.discard(upload_id)
-        result = {"accepted": adm.accepted, "dropped_stale": adm.dropped_stale,
-                  "queue_samples": queue.core.samples, "learner_version": queue.core.learner_version}
         if adm.dropped_stale:
             log.info("upload: dropped %d stale samples (learner at v%d, max_staleness %d)", adm.dropped_stale,
                      queue.core.learner_version, rs.max_staleness)
-        if upload_id is not None:
-            uploads.put(upload_id, result)
-        return result
+        return {"accepted": adm.accepted, "dropped_stale": adm.dropped_stale,
+                "queue_samples": queue.core.samples, "learner_version": queue.core.learner_version}
 
     @app.get("/batch", dependencies=auth)
     async def batch(request: Request, max_samples: int = Query(64, ge=1, le=1 << 20),

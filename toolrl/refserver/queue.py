@@ -246,9 +246,12 @@ class SampleQueue:
 class AsyncSampleQueue:
     """`SampleQueue` plus timed waits. Every method runs on the event loop thread."""
 
-    def __init__(self, core: SampleQueue, max_upload_waiters: int = 64):
+    def __init__(self, core: SampleQueue, max_upload_waiters: int = 64, max_waiting_bytes: int | None = None):
         self.core = core
         self.max_upload_waiters = max_upload_waiters
+        # Waiting uploads hold their decoded groups too: bound them, so held + waiting <= 1.5 x max_bytes.
+        self.max_waiting_bytes = core.max_bytes // 2 if max_waiting_bytes is None else max_waiting_bytes
+        self._waiting_bytes = 0
         self._changed = asyncio.Event()
         self._waiters: deque[object] = deque()  # upload tickets, first come first served
 
@@ -277,12 +280,14 @@ class AsyncSampleQueue:
         core.check_admissible(n, nbytes)
         if not self._waiters and core.fits(n, nbytes):
             return self._put(samples)
-        if wait_s <= 0 or len(self._waiters) >= self.max_upload_waiters:
+        if (wait_s <= 0 or len(self._waiters) >= self.max_upload_waiters
+                or self._waiting_bytes + nbytes > self.max_waiting_bytes):
             core.counters.rejected_full += 1
             raise QueueFull(f"queue full: {core.samples}/{core.max_samples} samples, "
                             f"{core.nbytes}/{core.max_bytes} bytes held, {len(self._waiters)} uploads waiting")
         ticket = object()
         self._waiters.append(ticket)
+        self._waiting_bytes += nbytes
         core.counters.waited_full += 1
         try:
             ok = await self.wait_until(lambda: self._waiters[0] is ticket and core.fits(n, nbytes), wait_s)
@@ -293,6 +298,7 @@ class AsyncSampleQueue:
             return self._put(samples)
         finally:
             self._waiters.remove(ticket)
+            self._waiting_bytes -= nbytes
             self.notify()  # the next waiter in line may fit now
 
     def _put(self, samples: list[Sample]) -> Admission:
