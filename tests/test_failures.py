@@ -13,8 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from procs import Proc, free_port  # noqa: E402
 
-pytestmark = pytest.mark.slow
-STEPS = 12
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
+STEPS = 10
 
 
 def wait_until(what, pred, timeout_s=300, every=1.0):
@@ -37,7 +37,7 @@ def test_the_run_survives_failures(tmp_path):
     run = tmp_path / "run"
     sets = [f"executor.url=http://127.0.0.1:{ports['ex']}", f"ref_server.url=http://127.0.0.1:{ports['ref']}",
             f"learner.steps={STEPS}", "learner.checkpoint_every=2", "rollout.heartbeat_s=1",
-            "ref_server.worker_ttl_s=4", "ref_server.max_staleness=1", "logging.wandb_mode=disabled",
+            "ref_server.worker_ttl_s=4", "ref_server.max_staleness=2", "logging.wandb_mode=disabled",
             "executor.client_retries=1", "executor.client_timeout_s=5"]
     args = ["--config", "configs/cpu_tiny.yaml"] + [x for s in sets for x in ("--set", s)]
     procs: dict[str, Proc] = {}
@@ -85,7 +85,7 @@ def test_the_run_survives_failures(tmp_path):
         # 2. a new worker joins: it registers, gets the current weights, and contributes
         url_c = start_worker("worker-c", 1)
         wait_until("worker-c catches up", lambda: httpx.get(f"{url_c}/health").json()["policy_version"] >= 1, 300)
-        wait_until("worker-c contributes", lambda: any(r["group_id"].startswith("worker-c") for r in rows()), 300)
+        wait_until("worker-c contributes", lambda: any(r["group_id"].startswith("worker-c") for r in rows()), 900)
         joined = [r for r in rows() if r["group_id"].startswith("worker-c")]
         assert min(r["policy_version"] for r in joined) >= 1  # never trained on the stale base weights
 

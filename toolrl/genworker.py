@@ -158,8 +158,9 @@ class GenWorker:
         group = await asyncio.to_thread(self._score_group, problem, rolls, gid, version)
         self._curriculum(group)
         for k in range(self.cfg.teacher.traces_per_group):
-            t = await teacher_sample(problem, prompt, self.tokenizer, self.tool, self.cfg.rollout.max_tool_output_tokens,
-                                     self._teacher_rng, f"{gid}:teacher{k}", version)
+            t = await teacher_sample(problem, prompt, self.tokenizer, self.tool,
+                                     self.cfg.rollout.max_tool_output_tokens, self._teacher_rng,
+                                     f"{gid}:teacher{k}", version)
             if t is not None:
                 group.append(t)
                 self.stats.teacher_traces += 1

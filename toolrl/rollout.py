@@ -77,10 +77,8 @@ def tool_segment_ids(tokenizer, output: str, max_tokens: int, lead: str = "") ->
 def pending_program(prefill: str, stop_marker: str) -> str | None:
     """The program a prefill hands to the tool before the model writes anything: a prompt whose
     assistant turn already ends at the marker is waiting for that program's output."""
-    if tool_text := prefill.rstrip():
-        if tool_text.endswith(stop_marker):
-            return extract_program(tool_text, stop_marker)
-    return None
+    text = prefill.rstrip()
+    return extract_program(text, stop_marker) if text.endswith(stop_marker) else None
 
 
 async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: list[int], cfg: RolloutConfig,
@@ -145,10 +143,12 @@ class ExecutorTool:
             res = await self.client.execute(code, timeout_s=self.timeout_s, session_id=session_id)
         except ExecutorUnavailable as exc:
             self.errors += 1
-            return ToolCall(code=code, status="unavailable", output=f"Error: the Python executor is unavailable ({exc})\n")
+            return ToolCall(code=code, status="unavailable",
+                            output=f"Error: the Python executor is unavailable ({exc})\n")
         except Exception as exc:  # a refused request is this sample's tool error, never the worker's crash
             self.errors += 1
-            return ToolCall(code=code, status="unavailable", output=f"Error: the executor refused the request ({exc})\n")
+            return ToolCall(code=code, status="unavailable",
+                            output=f"Error: the executor refused the request ({exc})\n")
         output = res.stdout
         if res.status != "ok":
             self.errors += 1

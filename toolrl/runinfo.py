@@ -67,8 +67,9 @@ def plot(metrics: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [m["step"] for m in metrics]
-    panels = [("reward/total_mean", "reward"), ("accuracy", "accuracy"), ("tool_calls_per_sample", "tool calls / sample"),
-              ("loss", "loss"), ("kl", "KL to reference"), ("step_time_s", "step time (s)")]
+    panels = [("reward/total_mean", "reward"), ("accuracy", "accuracy"),
+              ("tool_calls_per_sample", "tool calls / sample"), ("loss", "loss"), ("kl", "KL to reference"),
+              ("step_time_s", "step time (s)")]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     for ax, (key, title) in zip(axes.flat, panels):
         ys = [m.get(key) for m in metrics]

@@ -1,0 +1,146 @@
+"""Learner benchmark: GRPO step throughput vs a plain forward+backward, and weight-sync cost.
+
+    python bench/learner.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--skip-sync]
+
+1. In one DeepSpeed engine, alternating: toolrl's GRPO `train_step` (chunked fp32 logprobs at the
+   sampling temperature, entropy, clip-higher loss, micro-batching, the step) vs a plain
+   `model(ids, labels=ids)` forward + backward + step on the same tokens. Ratio of tokens/s.
+2. A real gen worker (vLLM, idle) on this machine: a full HTTP weight sync (learner-side
+   `push_weights`: bucketing, safetensors, transfer, assembly, in-place reload) vs the worker's
+   in-place reload alone (the `reload_s` it reports). Ratio of times.
+
+Last line: JSON with ratio_vs_fwd_bwd and sync_ratio_vs_reload.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from procs import Proc, free_port  # noqa: E402  (tests/procs.py: real services as subprocesses)
+
+
+def make_batch(n: int, prompt_len: int, comp_len: int, seed: int = 0):
+    from toolrl.protocol import Sample
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        mask = [1] * comp_len
+        for j in range(comp_len // 3, comp_len // 3 + 16):  # a tool-output span
+            mask[j] = 0
+        out.append(Sample(prompt_ids=[rng.randint(0, 40000) for _ in range(prompt_len)],
+                          completion_ids=[rng.randint(0, 40000) for _ in range(comp_len)], loss_mask=mask,
+                          logprobs=[-2.0 if m else None for m in mask], rewards={"correct": float(i % 2)},
+                          reward=float(i % 2), advantage=1.0 if i % 2 else -1.0, group_id=f"g{i // 4}"))
+    return out
+
+
+def bench_step(args) -> dict:
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    import torch
+
+    from toolrl.config import load_config
+    from toolrl.logprobs import pack_samples
+    from toolrl.models import resolve_model
+    from toolrl.trainer import Trainer
+
+    cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}", f"learner.dtype={args.dtype}",
+                                                "learner.micro_batch_tokens=4096", "logging.wandb_mode=disabled"])
+    tr = Trainer(cfg, resolve_model(args.model))
+    batch = make_batch(args.samples, args.prompt_len, args.completion_len)
+    tokens = sum(s.num_tokens for s in batch)
+    engine = tr.engine
+
+    def plain_step():
+        from toolrl.trainer import micro_batches
+
+        mbs = micro_batches(batch, cfg.learner.micro_batch_tokens)
+        for k, mb in enumerate(mbs):
+            engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
+            p = pack_samples(mb, pad_id=tr.pad_id)
+            out = tr.module(input_ids=p.input_ids, attention_mask=p.attention_mask, labels=p.input_ids)
+            engine.backward(out.loss, scale_wrt_gas=False)
+        engine.step()
+
+    plain_step()
+    tr.train_step(batch)  # warm-up both
+    t_plain, t_grpo = [], []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        plain_step()
+        t_plain.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        tr.train_step(batch)
+        t_grpo.append(time.perf_counter() - t)
+        print(f"  plain {t_plain[-1]:.2f}s  grpo {t_grpo[-1]:.2f}s", flush=True)
+    res = {"step_tokens": tokens, "plain_tokens_per_s": round(tokens / min(t_plain), 1),
+           "grpo_tokens_per_s": round(tokens / min(t_grpo), 1),
+           "ratio_vs_fwd_bwd": round(min(t_plain) / min(t_grpo), 3), "dtype": args.dtype,
+           "threads": torch.get_num_threads()}
+    named = tr.export_state(torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32)
+    return res, named
+
+
+def bench_sync(args, named) -> dict:
+    from toolrl.weights import push_weights
+
+    d = Path(tempfile.mkdtemp(prefix="bench-sync-"))
+    ref_port, w_port = free_port(), free_port()
+    sets = [f"ref_server.url=http://127.0.0.1:{ref_port}", "grpo.beta=0", f"model.name={args.model}",
+            "executor.url=http://127.0.0.1:9"]  # no executor needed: the worker stays idle
+    cli = ["--config", "configs/cpu_demo.yaml"] + [x for s in sets for x in ("--set", s)]
+    ref = Proc("ref", ["ref_server.py", *cli, "--port", str(ref_port)], d)
+    worker = None
+    try:
+        ref.wait_http(f"http://127.0.0.1:{ref_port}/health", 300)
+        worker = Proc("worker", ["gen_worker.py", *cli, "--port", str(w_port), "--max-groups", "0"], d)
+        url = f"http://127.0.0.1:{w_port}"
+        worker.wait_http(f"{url}/health", 900)
+        time.sleep(3)
+        pushes, reloads = [], []
+        for v in range(1, args.repeats + 2):
+            a = push_weights(url, named, version=v, bucket_mb=64, timeout_s=600)
+            if v > 1:  # the first load also warms caches
+                pushes.append(a["push_s"])
+                reloads.append(a["reload_s"])
+            print(f"  sync v{v}: push {a['push_s']:.2f}s (reload {a['reload_s']:.2f}s, drain {a['drain_s']:.2f}s)",
+                  flush=True)
+        size = sum(t.numel() * t.element_size() for _, t in named)
+        return {"sync_bytes": size, "sync_s": round(min(pushes), 3), "reload_s": round(min(reloads), 3),
+                "sync_ratio_vs_reload": round(min(pushes) / min(reloads), 3)}
+    finally:
+        if worker:
+            worker.stop()
+        ref.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=192)
+    ap.add_argument("--completion-len", type=int, default=192)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-sync", action="store_true")
+    args = ap.parse_args()
+    res, named = bench_step(args)
+    print(f"GRPO step {res['grpo_tokens_per_s']} tok/s vs plain fwd+bwd {res['plain_tokens_per_s']} tok/s", flush=True)
+    if not args.skip_sync:
+        res.update(bench_sync(args, named))
+    res["model"] = args.model
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

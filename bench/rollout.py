@@ -1,0 +1,165 @@
+"""Rollout benchmark: tool-interleaved rollouts vs plain generation vs lock-step rounds.
+
+    python bench/rollout.py [--model smollm2-135m-instruct] [--samples 16] [--seed 0]
+
+All three modes generate exactly the same tokens' worth of work on the same prompts: every
+sample follows a plan of segment lengths (different numbers of tool calls per sample, different
+segment lengths), generated with ignore_eos so lengths are exact. Tool time is excluded by a
+zero-latency executor stub that exists only here.
+
+- plain:      each sample generates all its tokens in one request (no tools): the floor;
+- interleaved: toolrl's tool loop (toolrl.rollout.run_rollout) on vLLM's async engine: each sample
+              advances on its own, tool output inserted as masked tokens, resumed by token ids;
+- lockstep:   rounds: every active sample generates its next segment, the round waits for all,
+              then tools run and everyone resumes (the simple_GRPO way).
+
+Last line: JSON with ratio_vs_plain (interleaved / plain time) and speedup_vs_lockstep.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from toolrl.config import load_config  # noqa: E402
+from toolrl.engine import GenOut, VllmEngine  # noqa: E402
+from toolrl.models import load_tokenizer, resolve_model  # noqa: E402
+from toolrl.protocol import ToolCall  # noqa: E402
+from toolrl.rollout import run_rollout, tool_segment_ids  # noqa: E402
+
+STUB_OUTPUT = "2413\n"
+
+
+class StubTool:
+    """Zero-latency executor: returns a fixed output at once (benchmark only)."""
+
+    async def run(self, code, session_id):
+        return ToolCall(code=code, status="ok", output=STUB_OUTPUT)
+
+    async def end_session(self, session_id):
+        pass
+
+
+class PlannedGenerator:
+    """Generates exactly the planned segment lengths; every segment but the last 'stops at the
+    marker' so the real tool loop inserts tool output and resumes."""
+
+    def __init__(self, engine: VllmEngine, plans: dict[str, list[int]]):
+        self.engine, self.plans = engine, plans
+
+    async def generate(self, ids, max_tokens, request_id):
+        rid, seg = request_id.rsplit(".", 1)
+        plan = self.plans[rid]
+        k = int(seg) // 2  # segments alternate model/tool
+        out = await raw_generate(self.engine, ids, plan[k], request_id)
+        last = k == len(plan) - 1
+        return GenOut(out.token_ids, out.logprobs, "```python\nprint(1)\n```\n", "length" if last else "stop",
+                      None if last else self.engine.stops[0])
+
+
+async def raw_generate(engine: VllmEngine, ids, n, request_id) -> GenOut:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0, seed=1,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    final = None
+    async for o in engine.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=request_id):
+        final = o
+    c = final.outputs[0]
+    assert len(c.token_ids) == n, (len(c.token_ids), n)
+    return GenOut(list(c.token_ids), [0.0] * n, c.text, "length", None)
+
+
+async def plain(engine, prompts, plans):
+    await asyncio.gather(*[raw_generate(engine, p, sum(plan), f"plain-{i}") for i, (p, plan)
+                           in enumerate(zip(prompts, plans))])
+
+
+async def interleaved(engine, tok, cfg, prompts, plans, tag):
+    gen = PlannedGenerator(engine, {f"{tag}-{i}": plan for i, plan in enumerate(plans)})
+    rolls = await asyncio.gather(*[run_rollout(gen, StubTool(), tok, p, cfg.rollout, f"{tag}-{i}")
+                                   for i, p in enumerate(prompts)])
+    return sum(r.generated for r in rolls), sum(len(r.tool_calls) for r in rolls)
+
+
+async def lockstep(engine, tok, cfg, prompts, plans):
+    state = [list(p) for p in prompts]
+    tool_ids = tool_segment_ids(tok, STUB_OUTPUT, cfg.rollout.max_tool_output_tokens, "")
+    for k in range(max(len(p) for p in plans)):
+        active = [i for i, plan in enumerate(plans) if k < len(plan)]
+        outs = await asyncio.gather(*[raw_generate(engine, state[i], plans[i][k], f"lock-{k}-{i}") for i in active])
+        for i, out in zip(active, outs):  # the round is over for everyone: now the tools, then resume
+            state[i] += out.token_ids
+            if k < len(plans[i]) - 1:
+                state[i] += tool_ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}", "rollout.max_new_tokens=4096",
+                                                "rollout.max_total_tokens=2048", "rollout.max_tool_calls=8"])
+    tok = load_tokenizer(args.model)
+    rng = random.Random(args.seed)
+    questions = [f"Question {i}: what is {rng.randint(100, 999)} times {rng.randint(100, 999)}?" for i in
+                 range(args.samples)]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+               for q in questions]
+    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
+    # 0-3 tool calls per sample, segments of 16-96 tokens: uneven, as real rollouts are
+    plans = [[rng.randint(16, 96) for _ in range(rng.randint(1, 4))] for _ in range(args.samples)]
+    total = sum(map(sum, plans))
+    print(f"{args.samples} samples, {total} generated tokens, tool calls per sample "
+          f"{[len(p) - 1 for p in plans]}", flush=True)
+
+    async def run():
+        engine = VllmEngine(cfg, resolve_model(args.model))
+        try:
+            await plain(engine, prompts[:2], [[8]] * 2)  # warm-up
+            times = {"plain": [], "interleaved": [], "lockstep": []}
+            for r in range(args.repeats):  # alternate the modes so drift hits all of them alike
+                t = time.perf_counter()
+                await plain(engine, prompts, plans)
+                times["plain"].append(time.perf_counter() - t)
+                await engine.llm.reset_prefix_cache()
+                t = time.perf_counter()
+                gen_tokens, calls = await interleaved(engine, tok, cfg, prompts, plans, f"il{r}")
+                times["interleaved"].append(time.perf_counter() - t)
+                assert gen_tokens == total and calls == sum(len(p) - 1 for p in plans)
+                await engine.llm.reset_prefix_cache()
+                t = time.perf_counter()
+                await lockstep(engine, tok, cfg, prompts, plans)
+                times["lockstep"].append(time.perf_counter() - t)
+                await engine.llm.reset_prefix_cache()
+                print({k: round(v[-1], 2) for k, v in times.items()}, flush=True)
+            return times
+        finally:
+            engine.shutdown()
+
+    times = asyncio.run(run())
+    best = {k: min(v) for k, v in times.items()}
+    res = {"samples": args.samples, "generated_tokens": total, "model": args.model,
+           "plain_s": round(best["plain"], 2), "interleaved_s": round(best["interleaved"], 2),
+           "lockstep_s": round(best["lockstep"], 2),
+           "tokens_per_s_interleaved": round(total / best["interleaved"], 1),
+           "ratio_vs_plain": round(best["interleaved"] / best["plain"], 3),
+           "speedup_vs_lockstep": round(best["lockstep"] / best["interleaved"], 3),
+           "threads": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
