@@ -37,6 +37,7 @@ from toolrl.sandbox.procs import (Proc, Run, Session, Slot, classify, kill, proc
 log = logging.getLogger("toolrl.forkserver")
 
 IN, OUT = select.EPOLLIN, select.EPOLLOUT
+EXTRA_SLOTS = 2
 IDLE_OUTPUT_LIMIT = 1 << 20  # a session whose leftover threads print this much between blocks is dropped
 MEMORY_CGROUP_SLACK = 64 << 20  # pages the runner copies from the warm parent on write
 
@@ -86,8 +87,11 @@ class ForkServer(SessionRuns):
         self.watch(self.wake_r, IN, self.on_wakeup)
         self.watch(sweeper.fd, IN, self.on_sweeper)
         self.watch(self.zygote.fileno(), IN, self.on_zygote)
-        base = cfg["uid_base"]
-        self.slots = [Slot(i, lanes.make(f"slot{i}", base + i)) for i in range(self.workers)]
+        # More slots than `workers` (which bounds concurrent runs): a slot is out of service for a few
+        # ms after each run (reap, sweep check, fork of its next spare); the extra ones keep a ready
+        # spare waiting meanwhile, so a job never waits for a fork.
+        base, n = cfg["uid_base"], min(SESSION_UID_OFFSET, self.workers + EXTRA_SLOTS)
+        self.slots = [Slot(i, lanes.make(f"slot{i}", base + i)) for i in range(n)]
 
     # -- plumbing --------------------------------------------------------------------------------
     def _on_term(self, *_):
@@ -119,7 +123,7 @@ class ForkServer(SessionRuns):
     def serve(self) -> None:
         base, n = self.cfg["uid_base"], self.cfg["max_sessions"]
         self.send({"op": "hello", "isolation": self.report, "workers": self.workers,
-                   "uids": {"slots": [base, base + self.workers - 1],
+                   "uids": {"slots": [base, base + len(self.slots) - 1],
                             "sessions": [base + SESSION_UID_OFFSET, base + SESSION_UID_OFFSET + n - 1]}})
         for slot in self.slots:
             self.spawn_spare(slot)

@@ -27,19 +27,23 @@ _REPLY = struct.Struct(">IB")
 
 
 class Lane:
-    __slots__ = ("name", "uid", "workdir", "mounted", "procs")
+    __slots__ = ("name", "uid", "workdir", "mounted", "procs", "pdeathsig")
 
-    def __init__(self, name: str, uid: int | None, workdir: str, mounted: bool, procs: list[str]):
+    def __init__(self, name: str, uid: int | None, workdir: str, mounted: bool, procs: list[str],
+                 pdeathsig: bool):
         self.name, self.uid, self.workdir, self.mounted, self.procs = name, uid, workdir, mounted, procs
+        self.pdeathsig = pdeathsig  # no PID namespace: runners must die with their parent themselves
 
     def for_child(self) -> dict:
-        return {"uid": self.uid, "workdir": self.workdir, "cgroup_procs": self.procs}
+        return {"uid": self.uid, "workdir": self.workdir, "cgroup_procs": self.procs,
+                "pdeathsig": self.pdeathsig}
 
 
 class LaneFactory:
     def __init__(self, scratch: str, report: dict, cgroups, uid_drop: bool, disk_mb: int, max_procs: int):
         self.scratch = scratch
         self.private_mounts = bool(report["namespaces"].get("mountns"))
+        self.pdeathsig = not report["namespaces"].get("pidns")
         self.cgroups = cgroups
         self.uid_drop = uid_drop
         self.disk_mb = disk_mb
@@ -57,7 +61,7 @@ class LaneFactory:
         elif self.uid_drop:
             os.chown(workdir, uid, uid)
         procs = self.cgroups.create(name, self.max_procs) if self.cgroups else []
-        return Lane(name, uid if self.uid_drop else None, workdir, mounted, procs)
+        return Lane(name, uid if self.uid_drop else None, workdir, mounted, procs, self.pdeathsig)
 
     def clean(self, lane: Lane) -> None:
         """Empty the working dir between runs; cheap when the run wrote nothing (one getdents)."""

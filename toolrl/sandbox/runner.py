@@ -1,7 +1,8 @@
 """The child side: what a runner process does between the fork server's fork() and its _exit().
 
 Root phase (before any job): join the lane's cgroups, put the pipes on fds 0-4, close every other
-inherited fd, reset signal state, enter the private working directory. Then it blocks on the job
+inherited fd, enter the private working directory. (Signal dispositions, no_new_privs, the
+environment and the stdio objects come ready from the zygote.) Then it blocks on the job
 pipe. With the job: rlimits, drop to the lane's uid, no_new_privs, clean environment, run the code as
 a script in one globals dict (so `import math` then `def f(): math.sqrt(...)` works), report, exit.
 
@@ -23,7 +24,7 @@ import traceback
 import types
 
 from toolrl.sandbox import ipc
-from toolrl.sandbox.isolation import PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, prctl
+from toolrl.sandbox.isolation import PR_SET_PDEATHSIG, prctl
 
 RESULT_FD, JOB_FD = 3, 4
 SETUP_FAILED = 121  # exit code: the sandbox could not be set up; no user code ran
@@ -38,7 +39,7 @@ _exit, _write, _kill, _waitpid = os._exit, os.write, os.kill, os.waitpid
 # after being replaced, they would close the runner's new stdout. Keep them alive.
 _KEEP: list = []
 
-PARENT_HANDLED: list[int] = []  # signals the fork server handles; everything else is at its default
+PARENT_HANDLED: list[int] = []  # signals the zygote handles (children reset them); usually none
 _STDIO: tuple = ()
 
 
@@ -98,17 +99,20 @@ def _root_phase(lane: dict, fds: tuple[int, ...]) -> dict:
             os.write(fd, b"0")
         finally:
             os.close(fd)
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in fds]  # so no dup2 below clobbers a source
-    for target, fd in enumerate(high):
-        os.dup2(fd, target)
+    if fds[0] == 4 and min(fds[1:]) >= 5:  # the zygote's layout: no source is a target of a later dup2
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+    else:
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in fds]
+        for target, fd in enumerate(high):
+            os.dup2(fd, target)
     os.closerange(5, 1 << 20)
-    signal.set_wakeup_fd(-1)
-    for sig in PARENT_HANDLED:  # everything else is still at its default (see prepare_parent)
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if PARENT_HANDLED:  # only when the zygote had to fall back to a SIGCHLD handler
+        signal.set_wakeup_fd(-1)
+        for sig in PARENT_HANDLED:
+            signal.signal(sig, signal.SIG_DFL)
     workdir = lane["workdir"]
-    os.chdir(workdir)
-    prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, mount, ...) cannot gain anything
+    os.chdir(workdir)  # no_new_privs is inherited from the zygote: setuid binaries gain nothing
     environ = os.environ  # already exactly ENV (prepare_parent): only the per-lane paths differ
     environ["HOME"] = environ["TMPDIR"] = environ["PWD"] = workdir
     return _new_main(workdir)
@@ -132,7 +136,8 @@ def _drop(lane: dict, job: dict) -> None:
         os.setresuid(uid, uid, uid)
         if os.getuid() != uid or os.geteuid() != uid:
             raise OSError("uid drop did not take")
-    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
+    if lane.get("pdeathsig"):  # no PID namespace to take us down with the fork server
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
 
 
 def _new_main(workdir: str) -> dict:

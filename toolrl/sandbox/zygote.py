@@ -13,6 +13,8 @@ Protocol (SOCK_SEQPACKET, one JSON datagram per message):
                      (stdout, stderr, result, job) as SCM_RIGHTS; or {"t": tag, "err": reason}
   zygote -> manager  {"exit": pid, "st": wait status, "cpu": ms} when a runner is reaped
   zygote -> manager  {"hello": {...}} once, first
+
+It learns of exits through a pidfd per runner, so it has no signal handler that runners would inherit.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import signal
 import socket
 import sys
 
-from toolrl.sandbox import runner
+from toolrl.sandbox import isolation, runner
 
 VM_REFRESH = 256  # forks between re-reads of our own address-space size
 
@@ -62,8 +64,12 @@ def receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
 
 
 def _main(sock: socket.socket, preimport: list[str], base_path: list[str]) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the manager decides when we go (socket EOF)
+    # Runners inherit our signal dispositions: make them those of a plain Python program, so a
+    # child has nothing to reset (each reset costs copy-on-write faults).
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2,
+                signal.SIGALRM, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     loaded, missing = [], []
     extra = ["numpy.random"] if "numpy" in preimport else []  # numpy 2 loads it lazily: ~40 ms a run
     for name in preimport + extra + ["tempfile", "traceback", "linecache"]:
@@ -72,29 +78,25 @@ def _main(sock: socket.socket, preimport: list[str], base_path: list[str]) -> No
             loaded.append(name)
         except Exception as exc:  # an optional module (numpy, sympy) that is not installed
             missing.append(f"{name}: {type(exc).__name__}")
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    runner.prepare_parent(base_path, (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT))
-    devnull = os.open(os.devnull, os.O_RDONLY)
+    devnull = os.open(os.devnull, os.O_RDONLY)  # fd 4: with 0-4 taken, every pipe end is >= 5
+    reaper = _Reaper()
+    runner.prepare_parent(base_path, reaper.handled)
+    isolation.prctl(isolation.PR_SET_NO_NEW_PRIVS, 1)  # inherited by every runner; we never exec
     _skip_threading_after_fork()
     gc.collect()
     gc.freeze()  # objects made so far are never scanned again: runners do not touch their pages
     huge_mb = collapse_heap()
     vm = _vm_bytes()
+    watch = "pidfd" if reaper.pidfds is not None else "SIGCHLD"
     sock.send(json.dumps({"hello": {"preimported": loaded, "preimport_missing": missing,
-                                    "hugepages_mb": huge_mb, "vm_bytes": vm}}).encode())
+                                    "hugepages_mb": huge_mb, "vm_bytes": vm, "exit_watch": watch}}).encode())
     sock_fd = sock.fileno()
-    poller = select.poll()
-    poller.register(sock_fd, select.POLLIN)
-    poller.register(wake_r, select.POLLIN)
+    reaper.poller.register(sock_fd, select.POLLIN)
     forks = 0
     while True:
-        for fd, _ in poller.poll():
-            if fd == wake_r:
-                _reap(sock, wake_r)
+        for fd, _ in reaper.poller.poll():
+            if fd != sock_fd:
+                reaper.ready(fd, sock)
                 continue
             data = sock.recv(1 << 16)
             if not data:
@@ -104,10 +106,12 @@ def _main(sock: socket.socket, preimport: list[str], base_path: list[str]) -> No
             if forks % VM_REFRESH == 0:
                 vm = _vm_bytes()
             req["lane"]["vm_bytes"] = vm
-            _fork_runner(sock, req, devnull, vm)
+            pid = _fork_runner(sock, req, devnull, vm)
+            if pid:
+                reaper.watch(pid)
 
 
-def _fork_runner(sock: socket.socket, req: dict, devnull: int, vm: int) -> None:
+def _fork_runner(sock: socket.socket, req: dict, devnull: int, vm: int) -> int:
     fds = []
     try:
         for _ in range(4):
@@ -117,7 +121,7 @@ def _fork_runner(sock: socket.socket, req: dict, devnull: int, vm: int) -> None:
         for fd in fds:
             os.close(fd)
         sock.send(json.dumps({"t": req["t"], "err": str(exc)}).encode())
-        return
+        return 0
     out_r, out_w, err_r, err_w, res_r, res_w, job_r, job_w = fds
     if pid == 0:
         try:
@@ -132,22 +136,62 @@ def _fork_runner(sock: socket.socket, req: dict, devnull: int, vm: int) -> None:
     finally:
         for fd in (out_r, err_r, res_r, job_w):
             os.close(fd)
+    return pid
 
 
-def _reap(sock: socket.socket, wake_r: int) -> None:
-    try:
-        os.read(wake_r, 4096)
-    except BlockingIOError:
-        pass
+class _Reaper:
+    """Learns when runners exit: a pidfd per runner (Linux 5.3+), so no signal handler exists for
+    children to inherit; else SIGCHLD with a wakeup pipe (children then reset it)."""
+
+    def __init__(self):
+        self.poller = select.poll()
+        self.pidfds: dict[int, int] | None = {}
+        self.handled: tuple[int, ...] = ()
+        try:
+            os.close(os.pidfd_open(os.getpid()))
+        except (AttributeError, OSError):
+            self.pidfds = None
+            self.wake_r, wake_w = os.pipe()
+            os.set_blocking(self.wake_r, False)
+            os.set_blocking(wake_w, False)
+            signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+            signal.signal(signal.SIGCHLD, lambda *_: None)
+            self.poller.register(self.wake_r, select.POLLIN)
+            self.handled = (signal.SIGCHLD,)
+
+    def watch(self, pid: int) -> None:
+        if self.pidfds is not None:
+            fd = os.pidfd_open(pid)
+            self.pidfds[fd] = pid
+            self.poller.register(fd, select.POLLIN)
+
+    def ready(self, fd: int, sock: socket.socket) -> None:
+        if self.pidfds is None:
+            try:
+                os.read(self.wake_r, 4096)
+            except BlockingIOError:
+                pass
+            _reap(sock, -1)
+            return
+        pid = self.pidfds.pop(fd)
+        self.poller.unregister(fd)
+        os.close(fd)
+        _reap(sock, pid)
+
+
+def _reap(sock: socket.socket, which: int) -> None:
+    """wait4 `which` (a pid, or -1 for any) and tell the manager; never blocks."""
     while True:
         try:
-            pid, status, ru = os.wait4(-1, os.WNOHANG)
+            pid, status, ru = os.wait4(which, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
         cpu = round((ru.ru_utime + ru.ru_stime) * 1000, 3)
         sock.send(json.dumps({"exit": pid, "st": status, "cpu": cpu}).encode())
+        if which != -1:
+            return
 
 
 def _skip_threading_after_fork() -> None:
