@@ -210,6 +210,10 @@ class ForkServer(SessionRuns):
                 # the spare that has waited longest has most likely finished its root phase
                 slot = min((s for s in self.slots if s.state == "spare"), key=lambda s: s.since, default=None)
                 if slot is None:
+                    if all(s.failures >= 3 for s in self.slots):  # no spare will come: fail fast
+                        note = f"[executor: cannot start runners: {self.slots[0].last_error}]"
+                        self.answer(job["id"], synthetic("killed", note))
+                        continue
                     self.queue.appendleft(job)
                     break
                 slot.state = "busy"
@@ -425,10 +429,13 @@ class ForkServer(SessionRuns):
         slot.state, slot.proc = "cleaning", None
         if run is None:
             if not self.stopping:
-                log.error("slot %d: spare runner exited before its job (status %s): %s", slot.index,
-                          os.waitstatus_to_exitcode(status), p.err.text().strip()[-500:])
+                slot.failures += 1
+                code = os.waitstatus_to_exitcode(status)
+                slot.last_error = p.err.text().strip()[-500:] or f"exit status {code}"
+                log.error("slot %d: spare runner exited before its job: %s", slot.index, slot.last_error)
             self.at(0, lambda: self.cleanup_slot(slot, delay=0.5))
             return
+        slot.failures = 0
         self.active -= 1
         run.done = True
         slot.pending = (run.job["id"], self.result(p, run, status, cpu_ms))
