@@ -111,6 +111,10 @@ async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, 
         log.info("worker %s registered at %s (engine start %.0fs)", worker.worker_id, worker.public_url,
                  worker.engine.start_s)
         print(f"gen worker {worker.worker_id} ready at {worker.public_url}", flush=True)
+        # Heartbeats start now: a late joiner waiting for weights must stay in the registry, or the
+        # learner would never see it to send them.
+        hb = asyncio.create_task(ref.keep_registered(worker.worker_id, worker.public_url, _capabilities(worker),
+                                                     lambda: worker.version, cfg.rollout.heartbeat_s))
         learner_version = int(reg.get("learner_version", 0) or 0)
         if learner_version > worker.version:
             # A late joiner waits for the current weights before producing anything.
@@ -118,8 +122,6 @@ async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, 
             deadline = time.time() + cfg.learner.sync_timeout_s * 3
             while worker.version < learner_version and time.time() < deadline:
                 await asyncio.sleep(0.5)
-        hb = asyncio.create_task(ref.keep_registered(worker.worker_id, worker.public_url, _capabilities(worker),
-                                                     lambda: worker.version, cfg.rollout.heartbeat_s))
         try:
             await upload_loop(worker, ref, max_groups)
             if max_groups is not None:  # done producing; keep serving updates and probes until stopped
