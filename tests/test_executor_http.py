@@ -175,6 +175,32 @@ def test_forkserver_crash_is_survived(ex, http):
         c.delete_session("before-crash")
 
 
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(x) for x in f.read().split()]
+    return kids
+
+
+def test_zygote_crash_is_survived(ex, http):
+    h = http.get("/health").json()
+    restarts = h["restarts"]
+    [manager] = _children(h["forkserver_pid"])
+    rss = {k: int(open(f"/proc/{k}/statm").read().split()[1]) for k in _children(manager)}
+    zygote = max(rss, key=rss.get)  # the one holding numpy and sympy
+    os.kill(zygote, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        h2 = http.get("/health")
+        if h2.status_code == 200 and h2.json()["restarts"] > restarts:
+            break
+        assert time.monotonic() < deadline, "the fork server was not restarted after its zygote died"
+        time.sleep(0.1)
+    with ExecutorClient(ex.url, token=TOKEN) as c:
+        assert c.execute("import sympy; print(sympy.Integer(2) ** 10)").stdout == "1024\n"
+
+
 # -- client behaviour against scripted transports ------------------------------------------------------
 
 OK_BODY = ExecResult(status="ok", exit_code=0, stdout="1\n", stderr="", truncated=False, wall_ms=1.0,
