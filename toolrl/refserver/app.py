@@ -27,6 +27,11 @@ from .registry import RegistryError, WorkerRegistry
 MAX_UPLOAD_WAIT_S = 60.0  # a client may ask /upload to wait this long for space
 MAX_UPLOAD_WAITERS = 64  # uploads waiting for space at once (each holds its decoded group)
 MAX_CONCURRENT_DECODES = 4  # bodies read and decoded at once; the rest wait unread (uvicorn pauses them)
+INLINE_CODEC_BYTES = 256 << 10  # smaller payloads are (de)coded on the loop: a thread hop costs more
+
+
+async def _off_loop(big: bool, fn, *args):
+    return await asyncio.to_thread(fn, *args) if big else fn(*args)
 
 
 class Replay:
@@ -161,7 +166,8 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         try:
             async with decoding:
                 body = await read_body_capped(request, rs.max_upload_bytes)
-                samples, _extra = await asyncio.to_thread(decode_samples, body, rs.max_upload_bytes)
+                samples, _extra = await _off_loop(len(body) > INLINE_CODEC_BYTES, decode_samples, body,
+                                                  rs.max_upload_bytes)
                 del body
             reference.validate(samples)
         except HTTPException as exc:
@@ -205,7 +211,8 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
             extra = {"learner_version": queue.core.learner_version, "queue_samples": queue.core.samples,
                      "compute_s": [round(e.compute_s, 6) for e in entries],
                      "queue_s": [round(now - e.enqueued_at, 6) for e in entries]}
-            body = await asyncio.to_thread(encode_samples, [e.sample for e in entries], ref_server=extra)
+            big = sum(e.tokens for e in entries) > INLINE_CODEC_BYTES // 16  # ~16 wire bytes per token
+            body = await _off_loop(big, lambda: encode_samples([e.sample for e in entries], ref_server=extra))
             if request_id is not None:
                 batches.put(request_id, body)
             return Response(body, media_type=CONTENT_TYPE)
