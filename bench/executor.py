@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -134,7 +135,12 @@ def free_port(preferred: int) -> int:
             return s.getsockname()[1]
 
 
+def _interrupt(*_):
+    raise KeyboardInterrupt  # so `kill` unwinds through the finally that stops the service
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=18170)
     ap.add_argument("--workers", type=int, default=None, help="executor.workers (default: the config's)")

@@ -369,6 +369,17 @@ def test_input_at_eof_and_with_stdin(s):
     assert (r.status, r.stdout) == ("ok", "5\n")
 
 
+def test_big_stdin_and_code_pass_through_the_job_pipe(s):
+    # both are larger than a pipe buffer: the fork server must hand them over without blocking
+    r = s.run("import sys\ndata = sys.stdin.read()\nprint(len(data), data[-3:])", stdin="ab" * 150_000 + "end")
+    assert (r.status, r.stdout) == ("ok", "300003 end\n")
+    code = "x = 0\n" + "x += 1\n" * 40_000 + "print(x)"
+    r = s.run(code, timeout_s=20)
+    assert (r.status, r.stdout) == ("ok", "40000\n")
+    r = s.run("print(len(input()))", stdin="y" * 200_000 + "\n", session_id="big")
+    assert r.stdout == "200000\n" and s.c.delete_session("big")
+
+
 def test_empty_code(s):
     r = s.run("")
     assert (r.status, r.exit_code, r.stdout, r.stderr) == ("ok", 0, "", "")

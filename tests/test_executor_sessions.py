@@ -61,6 +61,14 @@ def test_files_persist_within_a_session_only(c):
     assert c.execute("import os\nprint(os.listdir('.'))").stdout == "[]\n"
 
 
+def test_stdin_is_per_block(c):
+    s = sid("stdin")
+    assert c.execute("print(input())", session_id=s, stdin="first\nleft over\n").stdout == "first\n"
+    r = c.execute("print(input())", session_id=s)
+    assert r.status == "error" and "EOFError" in r.stderr
+    assert c.execute("print(input())", session_id=s, stdin="third\n").stdout == "third\n"
+
+
 def test_sessions_are_isolated_from_each_other(c):
     a, b = sid("iso-a"), sid("iso-b")
     c.execute("secret = 'a-only'", session_id=a)

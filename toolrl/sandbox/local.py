@@ -43,17 +43,20 @@ class LocalExecutor:
         out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
-        with ExecutorClient(self.url, token=self.token, timeout_s=5, retries=0) as c:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"executor_service.py exited with {self.proc.returncode}: "
-                                       f"{self.log_tail()}")
-                if c.health():
-                    return self
-                time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"executor not healthy after {self.startup_timeout_s} s: {self.log_tail()}")
+        try:  # whatever interrupts the wait (timeout, Ctrl-C), the service we started goes too
+            deadline = time.monotonic() + self.startup_timeout_s
+            with ExecutorClient(self.url, token=self.token, timeout_s=5, retries=0) as c:
+                while time.monotonic() < deadline:
+                    if self.proc.poll() is not None:
+                        raise RuntimeError(f"executor_service.py exited with {self.proc.returncode}: "
+                                           f"{self.log_tail()}")
+                    if c.health():
+                        return self
+                    time.sleep(0.1)
+            raise TimeoutError(f"executor not healthy after {self.startup_timeout_s} s: {self.log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
 
     def log_tail(self, n: int = 30) -> str:
         if self.log_path and self.log_path.exists():

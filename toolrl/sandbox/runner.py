@@ -2,9 +2,9 @@
 
 Root phase (before any job): join the lane's cgroups, put the pipes on fds 0-4, close every other
 inherited fd, enter the private working directory. (Signal dispositions, no_new_privs, the
-environment and the stdio objects come ready from the zygote.) Then it blocks on the job
-pipe. With the job: rlimits, drop to the lane's uid, no_new_privs, clean environment, run the code as
-a script in one globals dict (so `import math` then `def f(): math.sqrt(...)` works), report, exit.
+environment and the stdio objects come ready from the zygote.) Then it blocks on the job pipe. With
+the job: rlimits, drop to the lane's uid, stdin, run the code as a script in one globals dict (so
+`import math` then `def f(): math.sqrt(...)` works), kill what it left behind, report, exit.
 
 A session runner keeps its globals and reads the next job instead of exiting.
 
@@ -41,6 +41,7 @@ _KEEP: list = []
 
 PARENT_HANDLED: list[int] = []  # signals the zygote handles (children reset them); usually none
 _STDIO: tuple = ()
+_STDIN_REPLACED = False
 
 
 ENV = {
@@ -182,14 +183,20 @@ def prepare_parent(base_path: list[str], handled: tuple[int, ...]) -> None:
 
 
 def _set_stdin(text: str | None) -> None:
-    """fd 0 is /dev/null from the root phase; with stdin text it becomes a memfd holding the text."""
-    if not text:
+    """fd 0 is /dev/null from the zygote; with stdin text it becomes a memfd holding the text. In a
+    session, a block without stdin gets /dev/null again, never the rest of an earlier block's."""
+    global _STDIN_REPLACED
+    if not text and not _STDIN_REPLACED:
         return
-    fd = os.memfd_create("stdin", 0)
-    os.write(fd, text.encode("utf-8", "surrogatepass"))
-    os.lseek(fd, 0, os.SEEK_SET)
+    if text:
+        fd = os.memfd_create("stdin", 0)
+        os.write(fd, text.encode("utf-8", "surrogatepass"))
+        os.lseek(fd, 0, os.SEEK_SET)
+    else:
+        fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(fd, 0)
     os.close(fd)
+    _STDIN_REPLACED = bool(text)
     sys.stdin = sys.__stdin__ = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
 
 
@@ -265,11 +272,6 @@ def _sweep_own_uid() -> None:
 def _cpu_s() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
-
-
-def _vm_size() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * resource.getpagesize()
 
 
 def _try(fn, *args) -> None:
