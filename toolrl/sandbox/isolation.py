@@ -170,18 +170,25 @@ def setup_filesystem(report: dict, scratch_mb: int) -> str:
     else:
         fs["proc_private"] = False
     fs["exposed"] = _expose_python()
+    covered = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/run/shm", "/dev/mqueue", "/home")
+    keep = _open_python_under(covered)  # a checkout (and its .venv) may live in /tmp or /home
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
           f"size={scratch_mb}m,mode=0711,nr_inodes={max(4096, scratch_mb * 256)}")
+    fs["exposed"] += _bind_back(keep, "/tmp")
     fs["scratch"] = "/tmp"
     fs["private_tmp"] = True
     hidden = []
-    for d in ("/var/tmp", "/dev/shm", "/run/lock", "/run/shm", "/dev/mqueue", "/home"):
+    for d in covered[1:]:
         if os.path.isdir(d) and not os.path.islink(d):
             try:
-                mount("tmpfs", d, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0755")
+                mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
+                fs["exposed"] += _bind_back(keep, d)
+                mount(None, d, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
                 hidden.append(d)
             except OSError as exc:
                 report.setdefault("warnings", []).append(f"could not hide {d}: {exc}")
+    for _, fd in keep:
+        os.close(fd)
     fs["hidden"] = hidden
     try:
         keep = _statvfs_flags("/")
@@ -216,6 +223,27 @@ def _blocked_ancestor(path: str) -> str | None:
         except OSError:
             return None
     return None
+
+
+def _open_python_under(dirs: tuple[str, ...]) -> list[tuple[str, int]]:
+    """Python trees inside directories about to be covered by a tmpfs, opened (O_PATH) before the
+    cover goes on, so they can be bound back read-only afterwards."""
+    keep: list[tuple[str, int]] = []
+    for p in sorted(_python_paths()):
+        if any(p == d or p.startswith(d + "/") for d in dirs) and not any(p.startswith(q + "/") for q, _ in keep):
+            keep.append((p, os.open(p, os.O_PATH | os.O_DIRECTORY)))
+    return keep
+
+
+def _bind_back(keep: list[tuple[str, int]], under: str) -> list[str]:
+    out = []
+    for p, fd in keep:
+        if p == under or p.startswith(under + "/"):
+            os.makedirs(p, mode=0o755, exist_ok=True)
+            mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
+            mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY | _statvfs_flags(p))
+            out.append(p)
+    return out
 
 
 def _expose_python() -> list[str]:
