@@ -78,7 +78,8 @@ def logprobs_from_hidden(hidden: torch.Tensor, head: Callable, targets: torch.Te
                          chunk_rows: int = 1024, with_entropy: bool = False, use_checkpoint: bool | None = None):
     """hidden [N, H] (final normed hidden states), targets [N] -> fp32 logprobs [N] (and entropy [N])."""
     if hidden.ndim != 2 or targets.ndim != 1 or hidden.shape[0] != targets.shape[0]:
-        raise ValueError(f"expected hidden [N, H] and targets [N], got {tuple(hidden.shape)} and {tuple(targets.shape)}")
+        raise ValueError(f"expected hidden [N, H] and targets [N], "
+                         f"got {tuple(hidden.shape)} and {tuple(targets.shape)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_rows < 1:
