@@ -6,6 +6,7 @@ Starts executor_service.py, then measures, side by side in one run (alternating,
 machine's speed drifts from minute to minute):
   * trivial `print(1+1)` executions per second through POST /execute_batch;
   * the same through a baseline that starts a fresh `python -c` per snippet, one per core at a time;
+  * session blocks per second, as rollouts use them (new session, three blocks, delete);
   * latency of one trivial snippet through POST /execute with 8 concurrent clients: a minimal
     HTTP/1.1 load generator (p99_ms_c8, the service's latency) and AsyncExecutorClient callers
     (p99_ms_c8_async_client, which adds httpx's CPU on the same two cores).
@@ -57,6 +58,26 @@ def bench_batch(url: str, batch: int, total: int) -> float:
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         done = sum(pool.map(one, range(n_batches)))
     return done / (time.perf_counter() - t)
+
+
+async def bench_sessions(url: str, rollouts: int, concurrency: int = 8) -> float:
+    """What a rollout does: a new session, three dependent blocks, delete. Blocks per second."""
+    async with AsyncExecutorClient(url, timeout_s=120) as c:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def rollout(i: int):
+            async with sem:
+                sid = f"bench-{i}"
+                await c.execute("x = 6", session_id=sid)
+                await c.execute("y = x * 7", session_id=sid)
+                r = await c.execute("print(y)", session_id=sid)
+                await c.delete_session(sid)
+                if r.stdout != "42\n":
+                    raise SystemExit(f"wrong session result: {r}")
+
+        t = time.perf_counter()
+        await asyncio.gather(*(rollout(i) for i in range(rollouts)))
+        return 3 * rollouts / (time.perf_counter() - t)
 
 
 def bench_subprocess(total: int) -> float:
@@ -120,6 +141,29 @@ async def bench_latency(url: str, clients: int, requests: int) -> list[float]:
     return lat
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds of `root` and all its descendants, including reaped children (cutime/cstime):
+    the service's own CPU, whatever else runs on the machine."""
+    stats = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                stats[int(name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))
+            except (OSError, ValueError, IndexError):
+                pass
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0))[1]
+        todo += [p for p, (ppid, _) in stats.items() if ppid == pid]
+    return total / _TICK
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -149,6 +193,7 @@ def main() -> None:
     ap.add_argument("--subprocess-total", type=int, default=150)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--c8-requests", type=int, default=1600)
+    ap.add_argument("--rollouts", type=int, default=100, help="session rollouts (3 blocks each)")
     args = ap.parse_args()
 
     port = free_port(args.port)
@@ -158,12 +203,16 @@ def main() -> None:
         with ExecutorClient(url) as c:
             c.execute_batch([{"code": SNIPPET}] * 64)  # warm-up
             workers = c._http.get("/health").json()["workers"]
-        batch_rates, sub_rates = [], []
+        batch_rates, sub_rates, cpu_ms = [], [], []
         for r in range(args.rounds):  # alternate, so drift hits both sides alike
             sub_rates.append(bench_subprocess(args.subprocess_total))
+            cpu0 = tree_cpu_s(service.proc.pid)
             batch_rates.append(bench_batch(url, args.batch, args.batch_total))
+            n_exec = max(2, args.batch_total // args.batch) * args.batch  # what bench_batch ran
+            cpu_ms.append((tree_cpu_s(service.proc.pid) - cpu0) * 1000 / n_exec)
             print(f"round {r + 1}: /execute_batch {batch_rates[-1]:.0f} exec/s   "
                   f"subprocess-per-snippet {sub_rates[-1]:.0f} exec/s", flush=True)
+        session_blocks = asyncio.run(bench_sessions(url, args.rollouts))
         lat = asyncio.run(bench_latency_raw(port, 8, args.c8_requests))
         lat_client = asyncio.run(bench_latency(url, 8, args.c8_requests // 2))
     finally:
@@ -171,8 +220,13 @@ def main() -> None:
     batch = statistics.median(batch_rates)
     sub = statistics.median(sub_rates)
     p50, p99 = pct(lat, 0.50), pct(lat, 0.99)
+    cpu = statistics.median(cpu_ms)
     print(f"batch (median of {args.rounds}): {batch:.0f} exec/s; subprocess baseline {sub:.0f} exec/s; "
           f"ratio {batch / sub:.2f}x")
+    print(f"service CPU per batched execution: {cpu:.2f} ms (all its processes) -> at most "
+          f"{2000 / cpu:.0f} exec/s on two idle cores; load average now {os.getloadavg()[0]:.1f}")
+    print(f"sessions (new session, 3 blocks, delete; 8 at a time, AsyncExecutorClient): "
+          f"{session_blocks:.0f} blocks/s")
     print(f"/execute with 8 concurrent clients (raw HTTP load generator), {len(lat)} requests: "
           f"p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {max(lat):.1f} ms")
     print(f"/execute with 8 concurrent AsyncExecutorClient callers, {len(lat_client)} requests: "
@@ -180,6 +234,9 @@ def main() -> None:
     print(json.dumps({"batch_exec_per_s": round(batch, 1), "ratio_vs_subprocess": round(batch / sub, 2),
                       "p99_ms_c8": round(p99, 1), "p50_ms_c8": round(p50, 1),
                       "p99_ms_c8_async_client": round(pct(lat_client, 0.99), 1),
+                      "service_cpu_ms_per_exec": round(cpu, 2),
+                      "session_blocks_per_s": round(session_blocks, 1),
+                      "loadavg_1m_end": round(os.getloadavg()[0], 2),
                       "subprocess_exec_per_s": round(sub, 1),
                       "batch_rounds": [round(x, 1) for x in batch_rates],
                       "subprocess_rounds": [round(x, 1) for x in sub_rates], "batch_size": args.batch,
