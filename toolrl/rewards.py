@@ -11,6 +11,7 @@ expression can neither hang nor crash the worker.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import multiprocessing as mp
 import re
@@ -105,6 +106,7 @@ class Verifier:
 
 
 _verifier = Verifier()
+atexit.register(_verifier.close)  # shut the child down before interpreter teardown, quietly
 
 
 def is_correct(pred: str | None, gold: str, timeout_s: float = 5.0) -> bool:
