@@ -81,6 +81,9 @@ class ExecutorConfig(Section):
     preimport: list[str] = Field(default_factory=lambda: [
         "math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "heapq",
         "bisect", "random", "statistics", "re", "json", "string", "operator", "datetime", "numpy", "sympy"])
+    # Pre-imports that make the heavy zygote: one-shot code naming none of what they load runs from a
+    # light zygote holding the rest of `preimport` (cheaper forks); [] keeps a single zygote.
+    heavy_modules: list[str] = Field(default_factory=lambda: ["numpy", "sympy", "scipy", "pandas", "torch"])
     strict_isolation: bool = False  # refuse to start when any isolation layer is missing
     disable_isolation: list[Literal["mountns", "netns", "pidns", "ipcns", "utsns", "uid", "cgroup"]] = \
         Field(default_factory=list)  # for debugging only; logged loudly like any missing layer

@@ -80,7 +80,9 @@ class Backend:
     def _fork_config(self) -> dict:
         c = self.cfg
         return {"workers": c.workers, "max_queue": c.max_queue, "max_sessions": c.max_sessions,
-                "uid_base": c.uid_base, "preimport": list(c.preimport), "disabled": list(c.disable_isolation),
+                "uid_base": c.uid_base, "preimport": list(c.preimport),
+                "heavy_modules": list(c.heavy_modules),
+                "disabled": list(c.disable_isolation),
                 "max_output_bytes": c.max_output_bytes, "output_kill_bytes": c.output_kill_bytes,
                 "limits": {"fsize": c.max_file_mb << 20, "nofile": c.max_open_files, "nproc": c.max_procs,
                            "disk_mb": c.scratch_mb}}

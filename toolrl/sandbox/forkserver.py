@@ -21,6 +21,7 @@ import heapq
 import itertools
 import logging
 import os
+import re
 import resource
 import select
 import signal
@@ -29,6 +30,7 @@ import time
 
 from toolrl.sandbox import ipc, zygote
 from toolrl.sandbox.lanes import Lane, LaneFactory, Sweeper, sweep_descendants
+from toolrl.sandbox.zygote import ZygoteLink
 from toolrl.sandbox.runner import SETUP_FAILED
 from toolrl.sandbox.session_runs import SESSION_UID_OFFSET, SessionRuns
 from toolrl.sandbox.procs import (Proc, Run, Session, Slot, classify, kill, proc_cpu_s, prlimit,
@@ -38,6 +40,7 @@ log = logging.getLogger("toolrl.forkserver")
 
 IN, OUT = select.EPOLLIN, select.EPOLLOUT
 EXTRA_SLOTS = 2
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 IDLE_OUTPUT_LIMIT = 1 << 20  # a session whose leftover threads print this much between blocks is dropped
 MEMORY_CGROUP_SLACK = 64 << 20  # pages the runner copies from the warm parent on write
 
@@ -61,8 +64,7 @@ class ForkServer(SessionRuns):
         self.sessions: dict[int, Session] = {}
         self.lost: dict[int, str] = {}  # session index -> why its process ended while idle
         self.sweeps: dict[int, list] = {}
-        self.spawns: dict[int, tuple] = {}  # tag -> (lane, owner, session, then): forks asked of the zygote
-        self.to_zygote: collections.deque = collections.deque()
+        self.spawns: dict[int, tuple] = {}  # tag -> (lane, owner, session, then): forks asked of a zygote
         self.oom_seen: dict[str, int] = {}
         self.outgoing: list[dict] = []
         self.stopping = False
@@ -77,21 +79,33 @@ class ForkServer(SessionRuns):
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_term)
         base_path = [p for p in sys.path if p and p != os.getcwd()]
-        self.zygote_pid, self.zygote = zygote.start(cfg["preimport"], base_path)
-        hello, _ = zygote.receive(self.zygote)  # blocks until the imports are done
-        if not hello or "hello" not in hello:
-            raise RuntimeError(f"the zygote did not start: {hello!r}")
-        report.update({k: v for k, v in hello["hello"].items() if k != "vm_bytes"})
-        self.zygote.setblocking(False)
+        heavy = ZygoteLink("heavy", cfg["preimport"], base_path)
+        self.zygotes = {"heavy": heavy}
+        self.heavy_words: frozenset = frozenset()
+        heavy_roots = set(cfg.get("heavy_modules", ()))
+        light_pre = [m for m in cfg["preimport"] if m.partition(".")[0] not in heavy_roots]
+        if light_pre != cfg["preimport"]:
+            light = self.zygotes["light"] = ZygoteLink("light", light_pre, base_path)
+            # any top-level module the heavy zygote has loaded and the light one has not
+            self.heavy_words = frozenset(heavy.modules - light.modules)
+        report.update({k: v for k, v in heavy.hello.items() if k != "vm_bytes"})
+        report["zygotes"] = {k: {"preimported": z.hello["preimported"],
+                                 "hugepages_mb": z.hello["hugepages_mb"]} for k, z in self.zygotes.items()}
         self.watch(sock_fd, IN, self.on_sock)
         self.watch(self.wake_r, IN, self.on_wakeup)
         self.watch(sweeper.fd, IN, self.on_sweeper)
-        self.watch(self.zygote.fileno(), IN, self.on_zygote)
+        for z in self.zygotes.values():
+            self.watch(z.fileno(), IN, lambda ev, z=z: self.on_zygote(z, ev))
         # More slots than `workers` (which bounds concurrent runs): a slot is out of service for a few
         # ms after each run (reap, sweep check, fork of its next spare); the extra ones keep a ready
-        # spare waiting meanwhile, so a job never waits for a fork.
-        base, n = cfg["uid_base"], min(SESSION_UID_OFFSET, self.workers + EXTRA_SLOTS)
-        self.slots = [Slot(i, lanes.make(f"slot{i}", base + i)) for i in range(n)]
+        # spare waiting meanwhile, so a job never waits for a fork. Each slot's spares come from one
+        # zygote.
+        kinds = ["heavy"] * (self.workers + EXTRA_SLOTS)
+        if "light" in self.zygotes:
+            kinds = ["light"] * (self.workers + EXTRA_SLOTS) + ["heavy"] * (self.workers + 1)
+        base = cfg["uid_base"]
+        self.slots = [Slot(i, lanes.make(f"slot{i}", base + i), kind)
+                      for i, kind in enumerate(kinds[:SESSION_UID_OFFSET])]
 
     # -- plumbing --------------------------------------------------------------------------------
     def _on_term(self, *_):
@@ -147,7 +161,8 @@ class ForkServer(SessionRuns):
     def shutdown(self) -> None:
         for p in list(self.procs.values()):
             kill(p.pid)
-        kill(self.zygote_pid)
+        for z in self.zygotes.values():
+            kill(z.pid)
         self.out.flush()
 
     # -- front end ---------------------------------------------------------------------------------
@@ -206,21 +221,31 @@ class ForkServer(SessionRuns):
         blocked = []
         while self.queue and self.active < self.workers:
             job = self.queue.popleft()
-            if job.get("session") is None:
-                # the spare that has waited longest has most likely finished its root phase
-                slot = min((s for s in self.slots if s.state == "spare"), key=lambda s: s.since, default=None)
-                if slot is None:
-                    if all(s.failures >= 3 for s in self.slots):  # no spare will come: fail fast
-                        note = f"[executor: cannot start runners: {self.slots[0].last_error}]"
-                        self.answer(job["id"], synthetic("killed", note))
-                        continue
-                    self.queue.appendleft(job)
-                    break
-                slot.state = "busy"
-                self.start_run(slot.proc, job, None)
-            elif not self.start_session_block(job):
-                blocked.append(job)
+            if job.get("session") is not None:
+                if not self.start_session_block(job):
+                    blocked.append(job)
+                continue
+            kind = self.route(job["code"])
+            # the spare that has waited longest has most likely finished its root phase
+            slot = min((s for s in self.slots if s.state == "spare" and s.kind == kind),
+                       key=lambda s: s.since, default=None)
+            if slot is None:
+                mine = [s for s in self.slots if s.kind == kind]
+                if all(s.failures >= 3 for s in mine):  # no spare will come: fail fast
+                    self.answer(job["id"], synthetic("killed", f"[executor: cannot start runners: "
+                                                               f"{mine[0].last_error}]"))
+                else:
+                    blocked.append(job)  # jobs of the other kind may still go ahead
+                continue
+            slot.state = "busy"
+            self.start_run(slot.proc, job, None)
         self.queue.extendleft(reversed(blocked))
+
+    def route(self, code: str) -> str:
+        """"heavy" when the code names a module only the heavy zygote has loaded (numpy, sympy, ...)."""
+        if not self.heavy_words or not self.heavy_words.isdisjoint(_WORD.findall(code)):
+            return "heavy"
+        return "light"
 
     def start_run(self, p: Proc, job: dict, reset: str | None) -> None:
         run = p.run = Run(job, reset)
@@ -266,38 +291,37 @@ class ForkServer(SessionRuns):
         kill(p.pid)
 
     # -- runner processes (forked by the zygote) ---------------------------------------------------
-    def spawn(self, lane: Lane, owner, session: Session | None, then) -> None:
-        """Ask the zygote for a runner in `lane`; then(proc) when it exists, then(None) if it failed."""
+    def spawn(self, lane: Lane, owner, session: Session | None, then, kind: str = "heavy") -> None:
+        """Ask a zygote for a runner in `lane`; then(proc) when it exists, then(None) if it failed."""
         tag = next(self._seq)
         self.spawns[tag] = (lane, owner, session, then)
-        self.to_zygote.append(zygote.request(self.zygote, tag, lane.for_child(), session is not None))
-        self.flush_zygote()
+        z = self.zygotes[kind]
+        try:
+            z.ask(tag, lane.for_child(), session is not None)
+        except OSError as exc:
+            log.critical("cannot reach the %s zygote (%s); stopping so the front end restarts us", kind, exc)
+            self.stopping = True
+            return
+        if z.backlog:
+            self.ep.modify(z.fileno(), IN | OUT)
 
-    def flush_zygote(self, ev: int = 0) -> None:
-        """Requests wait here while the zygote's socket buffer is full (bounded: one per lane)."""
-        while self.to_zygote:
-            try:
-                self.zygote.send(self.to_zygote[0])
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                log.critical("cannot reach the zygote (%s); stopping so the front end restarts us", exc)
-                self.stopping = True
-                return
-            self.to_zygote.popleft()
-        self.ep.modify(self.zygote.fileno(), IN | OUT if self.to_zygote else IN)
-
-    def on_zygote(self, ev: int) -> None:
+    def on_zygote(self, z: ZygoteLink, ev: int) -> None:
         if ev & OUT:
-            self.flush_zygote()
+            try:
+                if not z.flush():
+                    self.ep.modify(z.fileno(), IN)
+            except OSError:
+                pass  # a dead zygote: the receive below says so
         while True:
             try:
-                msg, fds = zygote.receive(self.zygote)
+                msg, fds = zygote.receive(z.sock)
             except BlockingIOError:
                 return
+            except OSError:
+                msg, fds = None, []
             if msg is None:
                 if not self.stopping:
-                    log.critical("the zygote is gone; stopping so the front end restarts us")
+                    log.critical("the %s zygote is gone; stopping so the front end restarts us", z.kind)
                 self.stopping = True
                 return
             if "exit" in msg:
@@ -411,9 +435,11 @@ class ForkServer(SessionRuns):
                     return
                 if pid == 0:
                     return
-                if pid in (self.sweeper.pid, self.zygote_pid) and not self.stopping:
+                helpers = {z.pid: f"{k} zygote" for k, z in self.zygotes.items()}
+                helpers[self.sweeper.pid] = "sweeper"
+                if pid in helpers and not self.stopping:
                     log.critical("the %s died (status %s); stopping so the front end restarts us",
-                                 "sweeper" if pid == self.sweeper.pid else "zygote", status)
+                                 helpers[pid], status)
                     self.stopping = True
         finally:
             self._reaping = False
@@ -483,7 +509,8 @@ class ForkServer(SessionRuns):
                 self.at(0.002, lambda: self.ensure_empty(lane, then, attempt + 1))
                 return
         elif lane.uid is None:
-            protect = {p.pid for p in self.procs.values()} | {self.sweeper.pid, self.zygote_pid}
+            protect = {p.pid for p in self.procs.values()} | {self.sweeper.pid}
+            protect |= {z.pid for z in self.zygotes.values()}
             sweep_descendants(protect, self.proc_consistent)
             then(True)
             return
@@ -525,7 +552,7 @@ class ForkServer(SessionRuns):
 
     def spawn_spare(self, slot: Slot) -> None:
         slot.state = "spawning"
-        self.spawn(slot.lane, slot, None, lambda p: self.spare_ready(slot, p))
+        self.spawn(slot.lane, slot, None, lambda p: self.spare_ready(slot, p), slot.kind)
 
     def spare_ready(self, slot: Slot, p: Proc | None) -> None:
         if p is None:

@@ -46,10 +46,11 @@ class Proc:
 class Slot:
     """A one-shot lane: its spare runner, reused run after run."""
 
-    __slots__ = ("index", "lane", "proc", "state", "pending", "since", "failures", "last_error")
+    __slots__ = ("index", "lane", "kind", "proc", "state", "pending", "since", "failures", "last_error")
 
-    def __init__(self, index: int, lane: Lane):
+    def __init__(self, index: int, lane: Lane, kind: str):
         self.index, self.lane, self.proc, self.state, self.pending = index, lane, None, "cleaning", None
+        self.kind = kind  # which zygote its spares come from: "light" or "heavy"
         self.since = 0.0  # when its spare was forked
         self.failures = 0  # spares in a row that died before their job (a broken sandbox set-up)
         self.last_error = ""
