@@ -111,6 +111,16 @@ def test_warm_modules_and_fresh_randomness(s):
     assert a.stdout != b.stdout, "every run must reseed random and numpy.random"
 
 
+def test_light_and_heavy_zygotes(s):
+    probe = "import sys\nprint(len(sys.modules))"
+    light = int(s.run(probe).stdout)
+    heavy = int(s.run(probe + "\nimport numpy").stdout.split()[0])
+    assert heavy > light + 100, (light, heavy)  # numpy code starts with numpy (and sympy) loaded
+    r = s.run("m = __import__('nu' + 'mpy')\nprint(m.arange(4).sum())")  # a computed name still works
+    assert (r.status, r.stdout) == ("ok", "6\n")
+    assert set(s.health["isolation"]["zygotes"]) == {"light", "heavy"}
+
+
 def test_environment_is_clean(s):
     r = s.run("import os, json\nprint(json.dumps(dict(os.environ)))\nprint(os.getuid(), os.getcwd())")
     import json
