@@ -231,6 +231,8 @@ class Trainer:
         import deepspeed
 
         module = self.module
+        base = module.get_base_model() if self.lora else module
+        tied = bool(getattr(base.config, "tie_word_embeddings", False))
         params = list(module.parameters())
         zero3 = self.cfg.learner.zero_stage == 3
         ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero3 else _null()
@@ -245,6 +247,8 @@ class Trainer:
                         if "lora_" in name:
                             continue
                         name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+                    if tied and name == "lm_head.weight":
+                        continue  # the embedding under another name: 17% of SmolLM2's bytes for nothing
                     # copy: the live parameters keep training (and an unmerge edits them in place)
                     named.append((name, t.detach().to("cpu", dtype=dtype or t.dtype, copy=True).contiguous()))
             finally:
@@ -260,8 +264,6 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         named = dict(self.export_state(torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None))
         base = self.module.get_base_model() if self.lora else self.module
-        if getattr(base.config, "tie_word_embeddings", False):
-            named.pop("lm_head.weight", None)
         if self.rank == 0:
             save_file(named, str(out / "model.safetensors"), metadata={"format": "pt"})
             base.config.save_pretrained(out)
