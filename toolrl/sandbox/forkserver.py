@@ -17,6 +17,7 @@ pids.current; else the sweeper) before its result is sent and the slot is reused
 from __future__ import annotations
 
 import collections
+import gc
 import heapq
 import itertools
 import logging
@@ -135,6 +136,8 @@ class ForkServer(SessionRuns):
             self.ep.modify(self.sock_fd, IN | OUT)
 
     def serve(self) -> None:
+        gc.collect()
+        gc.freeze()  # what start-up made is never rescanned: no long GC pauses in the loop
         base, n = self.cfg["uid_base"], self.cfg["max_sessions"]
         self.send({"op": "hello", "isolation": self.report, "workers": self.workers,
                    "uids": {"slots": [base, base + len(self.slots) - 1],

@@ -183,7 +183,8 @@ def setup_filesystem(report: dict, scratch_mb: int) -> str:
             try:
                 mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
                 fs["exposed"] += _bind_back(keep, d)
-                mount(None, d, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=0755")
+                mount(None, d, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                      "size=64k,mode=0755")
                 hidden.append(d)
             except OSError as exc:
                 report.setdefault("warnings", []).append(f"could not hide {d}: {exc}")
@@ -230,7 +231,8 @@ def _open_python_under(dirs: tuple[str, ...]) -> list[tuple[str, int]]:
     cover goes on, so they can be bound back read-only afterwards."""
     keep: list[tuple[str, int]] = []
     for p in sorted(_python_paths()):
-        if any(p == d or p.startswith(d + "/") for d in dirs) and not any(p.startswith(q + "/") for q, _ in keep):
+        inside = any(p == d or p.startswith(d + "/") for d in dirs)
+        if inside and not any(p.startswith(q + "/") for q, _ in keep):
             keep.append((p, os.open(p, os.O_PATH | os.O_DIRECTORY)))
     return keep
 
