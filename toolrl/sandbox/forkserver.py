@@ -101,12 +101,13 @@ class ForkServer(SessionRuns):
         # ms after each run (reap, sweep check, fork of its next spare); the extra ones keep a ready
         # spare waiting meanwhile, so a job never waits for a fork. Each slot's spares come from one
         # zygote.
-        kinds = ["heavy"] * (self.workers + EXTRA_SLOTS)
-        if "light" in self.zygotes:
-            kinds = ["light"] * (self.workers + EXTRA_SLOTS) + ["heavy"] * (self.workers + 1)
+        kinds = ["heavy"] * min(self.workers + EXTRA_SLOTS, SESSION_UID_OFFSET)
+        if "light" in self.zygotes:  # each kind gets at most half of the slot uids
+            half = SESSION_UID_OFFSET // 2
+            kinds = (["light"] * min(self.workers + EXTRA_SLOTS, half)
+                     + ["heavy"] * min(self.workers + 1, half))
         base = cfg["uid_base"]
-        self.slots = [Slot(i, lanes.make(f"slot{i}", base + i), kind)
-                      for i, kind in enumerate(kinds[:SESSION_UID_OFFSET])]
+        self.slots = [Slot(i, lanes.make(f"slot{i}", base + i), kind) for i, kind in enumerate(kinds)]
 
     # -- plumbing --------------------------------------------------------------------------------
     def _on_term(self, *_):
@@ -234,7 +235,7 @@ class ForkServer(SessionRuns):
                        key=lambda s: s.since, default=None)
             if slot is None:
                 mine = [s for s in self.slots if s.kind == kind]
-                if all(s.failures >= 3 for s in mine):  # no spare will come: fail fast
+                if mine and all(s.failures >= 3 for s in mine):  # no spare will come: fail fast
                     self.answer(job["id"], synthetic("killed", f"[executor: cannot start runners: "
                                                                f"{mine[0].last_error}]"))
                 else:
