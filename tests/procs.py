@@ -1,6 +1,8 @@
 """Start the real services as subprocesses for tests: free ports, health waits, clean kills."""
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
 import signal
 import socket
@@ -22,6 +24,23 @@ def free_port() -> int:
     return port
 
 
+_LIVE: set["Proc"] = set()
+
+
+def _die_with_parent() -> None:
+    # SIGKILL of pytest itself must not leave a service behind (PR_SET_PDEATHSIG = 1).
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def stop_all() -> None:
+    """Stop every service still running: at exit, and when pytest is told to terminate."""
+    for proc in list(_LIVE):
+        proc.stop()
+
+
+atexit.register(stop_all)
+
+
 class Proc:
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict | None = None):
         self.name = name
@@ -29,7 +48,9 @@ class Proc:
         self.args = args
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=open(self.log, "w"),
-                                  stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+                                  stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                                  preexec_fn=_die_with_parent)
+        _LIVE.add(self)
 
     def wait_http(self, url: str, timeout_s: float = 300.0) -> None:
         deadline = time.time() + timeout_s
@@ -51,6 +72,7 @@ class Proc:
             return ""
 
     def stop(self) -> None:
+        _LIVE.discard(self)
         if self.p.poll() is None:
             try:
                 os.killpg(self.p.pid, signal.SIGTERM)

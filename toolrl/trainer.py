@@ -67,6 +67,38 @@ def _lr_lambda(cfg: Config):
     return f
 
 
+def clear_stale_op_locks(max_age_s: float = 900.0) -> list[Path]:
+    """Remove torch-extension build locks left by a process killed mid-compile.
+
+    torch waits forever on such a lock (no timeout, no owner check), so one learner killed while
+    DeepSpeed compiled its CPU ops would hang every later one. A compile takes minutes; a lock
+    older than `max_age_s` has no live owner."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    removed = []
+    for lock in root.glob("*/*/lock"):
+        try:
+            if time.time() - lock.stat().st_mtime > max_age_s:
+                lock.unlink()
+                removed.append(lock)
+        except OSError:
+            pass
+    return removed
+
+
+def build_cpu_ops() -> None:
+    """Compile DeepSpeed's CPU ops now (`make install`), so no run or test pays minutes for it."""
+    from deepspeed.accelerator import get_accelerator
+
+    for lock in clear_stale_op_locks(max_age_s=0):
+        print(f"removed a stale build lock: {lock}")
+    for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None:
+            t0 = time.time()
+            builder.load()
+            print(f"DeepSpeed op {builder.NAME} ready ({time.time() - t0:.0f}s)")
+
+
 class Trainer:
     def __init__(self, cfg: Config, model_path: str):
         import deepspeed
@@ -100,6 +132,8 @@ class Trainer:
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
         }
+        for lock in clear_stale_op_locks():
+            print(f"removed a stale DeepSpeed build lock: {lock}", flush=True)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         self.step = 0
