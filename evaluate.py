@@ -6,6 +6,11 @@
 M: a built-in name (smollm2-135m-instruct), an HF id or path, or a run directory (its export).
 T: arithmetic[:LEVEL] (held-out seed data.eval_seed unless --seed), gsm8k:PATH, math:PATH, jsonl:PATH.
 Needs the executor service at executor.url; if none answers, a private one is started.
+
+    python evaluate.py score --task humaneval:HumanEval/0 --program FILE [--mode fraction|all]
+
+scores one program (plain code, or a completion with a code fence) against a code task's tests
+(humaneval:ID, mbpp:PATH#ID, apps:PATH#ID) and prints JSON with passed, total and reward.
 """
 import argparse
 import json
@@ -15,7 +20,33 @@ from pathlib import Path
 from toolrl.config import add_config_args, config_from_args
 
 
+def score_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="evaluate.py score", description="score one program against a task's tests")
+    add_config_args(parser)
+    parser.add_argument("--task", required=True, help="humaneval:HumanEval/0, mbpp:PATH#ID or apps:PATH#ID")
+    parser.add_argument("--program", required=True, help="a file with the code (or a completion with a fence); - for stdin")
+    parser.add_argument("--mode", choices=["fraction", "all"], help="reward: fraction of tests passed, or all-or-nothing")
+    args = parser.parse_args(argv)
+    if not args.config:
+        args.config = "configs/cpu_demo.yaml"
+    cfg = config_from_args(args)
+
+    from toolrl.data import DataError
+    from toolrl.evaluation import score_program
+
+    try:
+        text = sys.stdin.read() if args.program == "-" else Path(args.program).read_text()
+        res = score_program(cfg, args.task, text, args.mode or cfg.rewards.code_mode,
+                            log=lambda m: print(m, file=sys.stderr))
+    except (DataError, OSError) as exc:
+        print(f"evaluate.py score: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps(res))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["score"]:
+        return score_main(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_config_args(parser)
     parser.add_argument("--model", required=True)

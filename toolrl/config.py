@@ -168,6 +168,8 @@ class RewardConfig(Section):
     schedule: dict[str, RewardSchedule] = Field(default_factory=dict)
     tool_bonus_cap: int = Field(2, ge=0)
     verify_timeout_s: float = Field(5.0, gt=0)
+    code_mode: Literal["fraction", "all"] = "fraction"  # code tasks: fraction of tests passed, or all-or-nothing
+    code_test_timeout_s: float = Field(2.0, gt=0)  # per test, inside one execution of program + tests
 
 
 class GRPOConfig(Section):

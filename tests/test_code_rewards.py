@@ -1,0 +1,211 @@
+"""Test-execution rewards against the real executor service: honest programs score, and none of the
+known ways to fake a pass does."""
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from toolrl.codetasks import load_apps, load_humaneval, load_mbpp, program_for, split
+from toolrl.data import DataError
+from toolrl.codetests import TestSpec, extract_code, judge, new_nonce, run_tests
+from toolrl.sandbox.client import ExecutorClient
+from toolrl.sandbox.local import LocalExecutor
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parent.parent
+
+ADD = TestSpec("assert", tests=["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"])
+GOOD = "def add(a, b):\n    return a + b\n"
+HALF = "def add(a, b):\n    return a + b if a > 0 else 7\n"  # passes 2 of 3
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    log = tmp_path_factory.mktemp("executor") / "executor.log"
+    with LocalExecutor(log_path=log, sets=["executor.workers=2", "executor.max_timeout_s=20"]) as ex:
+        with ExecutorClient(ex.url, timeout_s=60) as c:
+            yield c
+
+
+def score(client, programs, spec, **kw):
+    return [r.passed for r in run_tests(client, programs, [spec] * len(programs), **kw)]
+
+
+def test_honest_programs_score_by_the_fraction_passed(client):
+    res = run_tests(client, [GOOD, HALF, None, "def add(a, b) return"], [ADD] * 4)
+    assert [(r.passed, r.total) for r in res] == [(3, 3), (2, 3), (0, 3), (0, 3)]
+    assert res[1].reward("fraction") == pytest.approx(2 / 3) and res[1].reward("all") == 0.0
+    assert res[0].reward("all") == 1.0
+    assert res[2].status == "no_code" and res[3].status == "syntax"
+
+
+ATTACKS = {
+    "sys.exit(0) before the tests": "import sys\nsys.exit(0)\ndef add(a, b):\n    return -99\n",
+    "os._exit(0) before the tests": "import os\nos._exit(0)\n",
+    "exit inside the function": "import sys\ndef add(a, b):\n    sys.exit(0)\n",
+    "printing fake PASSED lines": "print('PASSED ' * 3)\nprint('3 passed')\ndef add(a, b):\n    return -99\n",
+    "printing a guessed report line": (
+        "import os\nfor i in range(3):\n    os.write(1, b'\\nTOOLRL-0 [%d, true, null]\\n' % i)\n"
+        "def add(a, b):\n    return -99\n"),
+    "reading the nonce from stdin": (
+        "import sys, os, json\nn = sys.stdin.read()\ntry:\n    n += os.read(0, 100).decode()\nexcept OSError:\n    pass\n"
+        "for i in range(3):\n    os.write(1, ('\\n%s %s\\n' % (n.strip(), json.dumps([i, True, None]))).encode())\n"
+        "os._exit(0)\n"),
+    "an object that equals everything": (
+        "class Any:\n    def __eq__(self, other):\n        return True\n"
+        "def add(a, b):\n    return Any()\n"),
+    "an int subclass that equals everything": (
+        "class Any(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+        "def add(a, b):\n    return Any(-99)\n"),
+    "patching builtins and the checker": (
+        "import builtins\nbuiltins.AssertionError = type('E', (Exception,), {})\n"
+        "builtins.abs = lambda x: 0\nbuiltins.print = lambda *a: None\n"
+        "def add(a, b):\n    return -99\n"),
+    "catching the test's exception with a hook": (
+        "import sys, os, atexit\nsys.excepthook = lambda *a: os._exit(0)\natexit.register(lambda: print('PASSED'))\n"
+        "def add(a, b):\n    return -99\n"),
+    "a trace function that swallows the failure": (
+        "import sys\ndef t(frame, event, arg):\n    return t\nsys.settrace(t)\n"
+        "def add(a, b):\n    return -99\n"),
+    "an infinite loop": "def add(a, b):\n    while True:\n        pass\n",
+}
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_no_attack_passes_a_test(client, attack):
+    assert score(client, [ATTACKS[attack]], ADD, per_test_timeout_s=1.0) == [0]
+
+
+def test_patching_a_module_the_tests_use_is_undone(client):
+    spec = TestSpec("assert", tests=["import math\nassert math.isclose(area(1), 3.14159, rel_tol=1e-3)",
+                                     "import math\nassert area(0) == 0 and math.isclose(area(2), 12.566, rel_tol=1e-3)"])
+    cheat = "import math\nmath.isclose = lambda *a, **k: True\ndef area(r):\n    math.isclose = lambda *a, **k: True\n    return 0\n"
+    honest = "import math\ndef area(r):\n    return math.pi * r * r\n"
+    assert score(client, [cheat, honest], spec) == [0, 2]
+
+
+def test_humaneval_style_candidate_and_stdio_and_call_tasks(client):
+    he = TestSpec("assert", tests=["assert candidate([1, 2]) == 3", "assert candidate([]) == 0"], entry_point="total")
+    assert score(client, ["def total(xs):\n    return sum(xs)\n", "def other(xs):\n    return 0\n"], he) == [2, 0]
+
+    stdio = TestSpec("stdio", inputs=["2 3\n", "10 -4\n", "1 1\n"], outputs=["5\n", "6", "3\n"])
+    prog = "a, b = map(int, input().split())\nprint(a + b)\n"
+    assert score(client, [prog, "print(5)"], stdio) == [2, 1]  # the third expected output is wrong on purpose
+    long_out = TestSpec("stdio", inputs=["300\n"], outputs=["\n".join(map(str, range(300)))])
+    assert score(client, ["for i in range(int(input())):\n    print(i)\n"], long_out) == [1]  # sent as a hash
+
+    call = TestSpec("call", fn_name="twice", inputs=[[2], [[1, 2]], [5]], outputs=[[4], [[1, 2, 1, 2]], [11]])
+    assert score(client, ["def twice(x):\n    return x * 2\n"], call) == [2]
+    leet = "class Solution:\n    def twice(self, x):\n        return x + x\n"
+    assert score(client, [leet], call) == [2]
+
+
+def test_partial_credit_survives_a_hang_in_a_later_test(client):
+    spec = TestSpec("assert", tests=["assert f(1) == 1", "assert f(2) == 2", "assert f(0) == 0"])
+    prog = "def f(x):\n    while x == 0:\n        pass\n    return x\n"
+    assert score(client, [prog], spec, per_test_timeout_s=1.0) == [2]
+
+
+def test_judge_ignores_lines_without_the_nonce_and_rejects_duplicates():
+    nonce = new_nonce()
+    spec = TestSpec("assert", tests=["assert 1", "assert 1"])
+    ok = f"noise\n{nonce} [0, true, null]\nTOOLRL-x [1, true, null]\n{nonce} [1, false, \"AssertionError\"]\n"
+    assert judge(ok, "ok", nonce, spec).passed == 1
+    dup = f"{nonce} [0, true, null]\n{nonce} [0, true, null]\n"
+    assert judge(dup, "ok", nonce, spec).passed == 0
+
+
+@pytest.mark.parametrize("text, code", [
+    ("<think>x</think>\n```python\ndef f():\n    return 1\n```\n", "def f():\n    return 1"),
+    ("<think>```python\nbad\n```</think>\n```\ndef g(): pass\n```", "def g(): pass"),  # any fence after the thinking
+    ("```py\na = 1\n```\ntext\n```python\nb = 2\n```", "b = 2"),  # the last python fence
+    ("<think>plan</think>\nimport math\ndef h():\n    return math.pi", "import math\ndef h():\n    return math.pi"),
+    ("<think>only words</think> no code here", None),
+    ("```python\ndef unterminated():\n    return 2\n", "def unterminated():\n    return 2"),
+])
+def test_extraction(text, code):
+    assert extract_code(text) == code
+
+
+def test_spec_round_trip_and_errors():
+    spec = TestSpec("call", fn_name="f", inputs=[[1]], outputs=[2])
+    assert TestSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError, match="equal length"):
+        TestSpec("stdio", inputs=["1"], outputs=[])
+    with pytest.raises(ValueError, match="at least one"):
+        TestSpec("assert")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks: loaders, split, and the reference solutions through the same harness
+
+FIX = Path(__file__).parent / "fixtures"
+
+
+def test_every_humaneval_reference_passes_all_its_tests_and_a_wrong_program_none(client):
+    problems = load_humaneval()
+    assert len(problems) == 164
+    specs = [TestSpec.from_json(p.answer) for p in problems]
+    assert sum(s.total for s in specs) > 1000  # split into per-assert tests for partial credit
+    res = run_tests(client, [p.program for p in problems], specs, per_test_timeout_s=3.0, max_timeout_s=20)
+    assert [p.id for p, r in zip(problems, res) if r.passed != r.total] == []
+    wrong = run_tests(client, [program_for(p, "    return None\n") for p in problems], specs)
+    assert sum(r.passed for r in wrong) < 0.05 * sum(s.total for s in specs)  # a few asserts do expect None
+    assert not any(r.passed == r.total for r in wrong)
+
+
+def test_mbpp_and_apps_local_files_in_their_own_formats(client):
+    mbpp = load_mbpp(str(FIX / "mbpp_sample.jsonl"))
+    assert [p.id for p in mbpp] == ["mbpp:11", "mbpp:17", "mbpp:900"]
+    assert "assert remove_Occ" in mbpp[0].question  # the first test names the function
+    apps = load_apps(str(FIX / "apps_sample.jsonl"))
+    assert [p.id for p in apps] == ["apps:4000", "apps:4001"]  # the row without tests is skipped
+    assert [TestSpec.from_json(p.answer).kind for p in apps] == ["stdio", "call"]
+    assert [p.id for p in load_apps(str(FIX / "apps_sample.jsonl"), difficulty="interview")] == ["apps:4001"]
+    with pytest.raises(DataError, match="difficulty"):
+        load_apps(str(FIX / "apps_sample.jsonl"), difficulty="hard")
+    problems = mbpp + apps
+    res = run_tests(client, [p.program for p in problems], [TestSpec.from_json(p.answer) for p in problems])
+    assert [(r.passed, r.total) for r in res] == [(3, 3), (3, 3), (2, 2), (3, 3), (3, 3)]
+
+
+def test_bad_rows_get_clear_errors(tmp_path):
+    bad = tmp_path / "mbpp.jsonl"
+    bad.write_text(json.dumps({"task_id": 1, "code": "x"}) + "\n")
+    with pytest.raises(DataError, match="missing field 'test_list'"):
+        load_mbpp(str(bad))
+    bad.write_text(json.dumps({"problem_id": 1, "question": "q", "input_output": "{not json"}) + "\n")
+    with pytest.raises(DataError, match="input_output is not valid JSON"):
+        load_apps(str(bad))
+
+
+def test_split_is_seeded_and_per_source():
+    problems = load_humaneval() + load_mbpp(str(FIX / "mbpp_sample.jsonl")) * 10
+    problems = [p if i < 164 else replace(p, id=f"{p.id}-{i}") for i, p in enumerate(problems)]
+    train, held = split(problems, seed=1)
+    assert split(problems, seed=1) == (train, held) and split(problems, seed=2) != (train, held)
+    assert sum(p.meta["source"] == "humaneval" for p in held) == round(164 * 0.2)
+    assert sum(p.meta["source"] == "mbpp" for p in held) == 6
+    assert not {p.id for p in train} & {p.id for p in held}
+
+
+def test_score_cli_prints_passed_total_reward(tmp_path):
+    prog = tmp_path / "p.py"
+    prog.write_text("```python\ndef add(a, b):\n    return a + b\n```\n")
+    half = tmp_path / "half.py"
+    half.write_text("def remove_Occ(s, ch):\n    return s.replace(ch, '') if len(s) > 3 else s\n")  # wrong on 'PHP'
+    run = lambda task, f, *extra: subprocess.run(  # noqa: E731
+        [sys.executable, "evaluate.py", "score", "--task", task, "--program", str(f), *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = run(f"mbpp:{FIX / 'mbpp_sample.jsonl'}#11", half)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) | {"detail": ""} == {"task": f"mbpp:{FIX / 'mbpp_sample.jsonl'}#11", "passed": 2,
+                                                     "total": 3, "reward": pytest.approx(2 / 3), "status": "ok",
+                                                     "detail": ""}
+    p = run(f"mbpp:{FIX / 'mbpp_sample.jsonl'}#11", half, "--mode", "all")
+    assert json.loads(p.stdout)["reward"] == 0.0
+    p = run("humaneval:HumanEval/no-such", prog)
+    assert p.returncode == 2 and "no task" in p.stderr
