@@ -21,10 +21,12 @@ from toolrl.config import add_config_args, config_from_args
 
 
 def score_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="evaluate.py score", description="score one program against a task's tests")
+    parser = argparse.ArgumentParser(prog="evaluate.py score",
+                                     description="score one program against a task's tests")
     add_config_args(parser)
     parser.add_argument("--task", required=True, help="humaneval:HumanEval/0, mbpp:PATH#ID or apps:PATH#ID")
-    parser.add_argument("--program", required=True, help="a file with the code (or a completion with a fence); - for stdin")
+    parser.add_argument("--program", required=True,
+                        help="a file with the code (or a completion with a fence); - for stdin")
     parser.add_argument("--mode", choices=["fraction", "all"], help="reward: fraction of tests passed, or all-or-nothing")
     args = parser.parse_args(argv)
     if not args.config:

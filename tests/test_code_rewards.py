@@ -51,7 +51,8 @@ ATTACKS = {
         "import os\nfor i in range(3):\n    os.write(1, b'\\nTOOLRL-0 [%d, true, null]\\n' % i)\n"
         "def add(a, b):\n    return -99\n"),
     "reading the nonce from stdin": (
-        "import sys, os, json\nn = sys.stdin.read()\ntry:\n    n += os.read(0, 100).decode()\nexcept OSError:\n    pass\n"
+        "import sys, os, json\nn = sys.stdin.read()\n"
+        "try:\n    n += os.read(0, 100).decode()\nexcept OSError:\n    pass\n"
         "for i in range(3):\n    os.write(1, ('\\n%s %s\\n' % (n.strip(), json.dumps([i, True, None]))).encode())\n"
         "os._exit(0)\n"),
     "an object that equals everything": (
@@ -81,8 +82,10 @@ def test_no_attack_passes_a_test(client, attack):
 
 def test_patching_a_module_the_tests_use_is_undone(client):
     spec = TestSpec("assert", tests=["import math\nassert math.isclose(area(1), 3.14159, rel_tol=1e-3)",
-                                     "import math\nassert area(0) == 0 and math.isclose(area(2), 12.566, rel_tol=1e-3)"])
-    cheat = "import math\nmath.isclose = lambda *a, **k: True\ndef area(r):\n    math.isclose = lambda *a, **k: True\n    return 0\n"
+                                     "import math\nassert area(0) == 0 and "
+                                     "math.isclose(area(2), 12.566, rel_tol=1e-3)"])
+    cheat = ("import math\nmath.isclose = lambda *a, **k: True\n"
+             "def area(r):\n    math.isclose = lambda *a, **k: True\n    return 0\n")
     honest = "import math\ndef area(r):\n    return math.pi * r * r\n"
     assert score(client, [cheat, honest], spec) == [0, 2]
 

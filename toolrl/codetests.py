@@ -378,7 +378,7 @@ def _requests(programs: list[str | None], specs: list[TestSpec], per_test_timeou
               max_timeout_s: float):
     from .sandbox.api import ExecRequest
 
-    todo, results, nonces = [], [], []
+    todo, results = [], []
     for program, spec in zip(programs, specs, strict=True):
         if program is None:
             results.append(TestResult(0, spec.total, "no_code", "no code found"))
