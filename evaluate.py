@@ -4,7 +4,8 @@
         [--config CFG] [--set k=v ...] [--ks 1,5,10] [--temperature T] [--seed S]
 
 M: a built-in name (smollm2-135m-instruct), an HF id or path, or a run directory (its export).
-T: arithmetic[:LEVEL] (held-out seed data.eval_seed unless --seed), gsm8k:PATH, math:PATH, jsonl:PATH.
+T: arithmetic[:LEVEL] (held-out seed data.eval_seed unless --seed), gsm8k:PATH, math:PATH, jsonl:PATH,
+   code:TASKS (the held-out split of data.source=code, e.g. code:humaneval; accuracy = all tests pass).
 Needs the executor service at executor.url; if none answers, a private one is started.
 
     python evaluate.py score --task humaneval:HumanEval/0 --program FILE [--mode fraction|all]
@@ -71,8 +72,10 @@ def main() -> None:
     try:
         ks = sorted({int(k) for k in args.ks.split(",") if k.strip()})
         model = resolve_eval_model(args.model)
-        problems = load_task(args.task, args.n_problems, cfg.data.eval_seed if args.seed is None else args.seed,
-                             cfg.data.level)
+        # code tasks: the held-out side of the split the training run made with data.seed
+        default_seed = cfg.data.seed if args.task.startswith("code") else cfg.data.eval_seed
+        problems = load_task(args.task, args.n_problems, default_seed if args.seed is None else args.seed,
+                             cfg.data.level, cfg.data.train_fraction)
     except (ValueError, DataError, FileNotFoundError) as exc:
         print(f"evaluate.py: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

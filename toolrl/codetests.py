@@ -41,6 +41,7 @@ class TestSpec:
     inputs: list = field(default_factory=list)  # stdio: stdin texts; call: argument lists
     outputs: list = field(default_factory=list)  # stdio: expected stdout; call: return values
     fn_name: str | None = None  # call
+    code_prompt: str = ""  # HumanEval: the signature and docstring a body-only completion continues
 
     def __post_init__(self):
         if self.kind not in ("assert", "stdio", "call"):
@@ -364,6 +365,20 @@ def judge(stdout: str, status: str, nonce: str, spec: TestSpec) -> TestResult:
     if not seen and not detail:
         detail = f"no test ran (executor status {status})"
     return TestResult(passed, spec.total, status, detail)
+
+
+def is_spec(answer: str) -> bool:
+    """A code task's answer (a TestSpec as JSON), as opposed to a math answer."""
+    return answer.startswith('{"kind": ')
+
+
+def complete_program(code: str | None, spec: TestSpec) -> str | None:
+    """For HumanEval, a completion that only continues the prompt (no `def entry_point`) is
+    appended to the prompt, as the benchmark intends."""
+    entry = spec.entry_point
+    if code is not None and entry and spec.code_prompt and not re.search(rf"^\s*def {re.escape(entry)}\b", code, re.M):
+        return spec.code_prompt + code
+    return code
 
 
 def new_nonce() -> str:

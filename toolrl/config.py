@@ -33,8 +33,11 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     # "arithmetic" is the built-in seeded generator; gsm8k / math / jsonl read a file or a hub dataset.
-    source: Literal["arithmetic", "gsm8k", "math", "jsonl"] = "arithmetic"
-    path: str | None = None  # local file, or a hub dataset id when the network allows
+    source: Literal["arithmetic", "gsm8k", "math", "jsonl", "code"] = "arithmetic"
+    # local file, or a hub dataset id when the network allows. For source=code, the tasks:
+    # humaneval, mbpp[:PATH], apps[:PATH][@DIFFICULTY], joined with + (e.g. humaneval+mbpp:m.jsonl)
+    path: str | None = None
+    train_fraction: float = Field(0.8, gt=0, le=1)  # source=code: the seeded per-source train share
     split: str = "train"
     question_field: str = "question"
     answer_field: str = "answer"
@@ -192,7 +195,10 @@ class GRPOConfig(Section):
 class TeacherConfig(Section):
     """Teacher traces mixed into the upload, learned by the SFT term (w_teacher)."""
 
-    traces_per_group: int = Field(0, ge=0)  # programmatic traces (arithmetic task) added to each group
+    traces_per_group: int = Field(0, ge=0)  # teacher traces added to each group
+    # Code tasks: traces collected from a teacher model (python -m toolrl.teacher_traces); tasks
+    # without one fall back to the data's reference solution. Arithmetic traces are programmatic.
+    traces_path: str | None = None
     # w_teacher decays as the policy improves: w_teacher * max(0, 1 - accuracy_ema / decay_at_accuracy)
     decay_at_accuracy: float | None = Field(0.8, gt=0, le=1)
     ema: float = Field(0.7, ge=0, lt=1)  # smoothing of the accuracy that drives the decay

@@ -212,6 +212,11 @@ def load_problems(cfg, n: int | None = None, seed: int | None = None) -> list[Pr
     """Problems for a DataConfig. For the generator, `n` problems from `seed` (default cfg.seed)."""
     if cfg.source == "arithmetic":
         return arithmetic_problems(n or 64, seed=cfg.seed if seed is None else seed, level=cfg.level)
+    if cfg.source == "code":
+        from .codetasks import load_code_task, split
+
+        train, _ = split(load_code_task(cfg.path or "humaneval"), cfg.seed, cfg.train_fraction)
+        return train[:n] if n else train
     if not cfg.path:
         raise DataError(f"data.source={cfg.source} needs data.path (a local file or a hub dataset id)")
     if cfg.source == "gsm8k":

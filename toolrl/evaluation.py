@@ -44,11 +44,17 @@ def latest_export(runs_dir: str = "runs") -> str | None:
     return str(exports[-1].parent) if exports else None
 
 
-def load_task(task: str, n: int, seed: int, level: int) -> list[Problem]:
-    """`arithmetic[:LEVEL]`, `gsm8k:PATH`, `math:PATH` or `jsonl:PATH` (question/answer fields)."""
+def load_task(task: str, n: int, seed: int, level: int, train_fraction: float = 0.8) -> list[Problem]:
+    """`arithmetic[:LEVEL]`, `gsm8k:PATH`, `math:PATH`, `jsonl:PATH` (question/answer fields), or
+    `code:TASKS` (the held-out split of code tasks, e.g. code:humaneval; seed = the training data.seed)."""
     kind, _, arg = task.partition(":")
     if kind == "arithmetic":
         return arithmetic_problems(n, seed=seed, level=int(arg) if arg else level)
+    if kind == "code":  # the held-out side of data.source=code's seeded split
+        from .codetasks import load_code_task, split
+
+        _, held = split(load_code_task(arg or "humaneval"), seed, train_fraction)
+        return held[:n]
     if not arg:
         raise DataError(f"task {task!r} needs a file or hub id: {kind}:PATH")
     loaders = {"gsm8k": load_gsm8k, "math": load_math, "jsonl": load_jsonl}

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .advantages import group_advantages, zero_variance
+from .codetests import TestSpec, arun_tests, complete_program, extract_code, is_spec
 from .config import Config
 from .data import Problem, arithmetic_stream, load_problems
 from .engine import VllmEngine, wait_for
@@ -34,7 +35,7 @@ from .prompts import load_chat_prompt
 from .protocol import Sample, sample_record
 from .rewards import Completion, check_names, score, weights_at
 from .rollout import ExecutorTool, Rollout, pending_program, run_rollout
-from .teacher import teacher_sample
+from .teacher import code_teacher_sample, load_code_traces, teacher_sample
 
 log = logging.getLogger("gen_worker")
 
@@ -52,6 +53,7 @@ class Stats:
     aborted_groups: int = 0
     failed_groups: int = 0
     teacher_traces: int = 0
+    unscored_groups: int = 0  # code tasks whose tests the executor could not run
     upload_waits: int = 0
     upload_wait_s: float = 0.0
     updates: int = 0
@@ -115,6 +117,7 @@ class GenWorker:
         self.problems = problem_source(cfg, self.worker_id)
         self._recent_acc: collections.deque = collections.deque(maxlen=cfg.data.promote_window)
         self._teacher_rng = random.Random(zlib.crc32(self.worker_id.encode()))
+        self._code_traces = load_code_traces(cfg.teacher.traces_path)
         self.version = 0
         self.stats = Stats()
         self._inflight = 0
@@ -155,12 +158,19 @@ class GenWorker:
         if any(r.stop_reason == "abort" for r in rolls):
             self.stats.aborted_groups += 1
             return None
-        group = await asyncio.to_thread(self._score_group, problem, rolls, gid, version)
+        tests = await self._run_tests(problem, rolls)
+        if tests is False:
+            return None
+        group = await asyncio.to_thread(self._score_group, problem, rolls, gid, version, tests)
         self._curriculum(group)
         for k in range(self.cfg.teacher.traces_per_group):
-            t = await teacher_sample(problem, prompt, self.tokenizer, self.tool,
-                                     self.cfg.rollout.max_tool_output_tokens, self._teacher_rng,
-                                     f"{gid}:teacher{k}", version)
+            if tests is not None:
+                t = code_teacher_sample(problem, prompt, self.tokenizer, self._code_traces, self._teacher_rng,
+                                        f"{gid}:teacher{k}", version, self.cfg.prompt.prefill)
+            else:
+                t = await teacher_sample(problem, prompt, self.tokenizer, self.tool,
+                                         self.cfg.rollout.max_tool_output_tokens, self._teacher_rng,
+                                         f"{gid}:teacher{k}", version)
             if t is not None:
                 group.append(t)
                 self.stats.teacher_traces += 1
@@ -179,11 +189,32 @@ class GenWorker:
             self.problems = problem_source(self.cfg, self.worker_id, self.level)
             log.info("curriculum: accuracy passed %.2f, moving to level %d", d.promote_at_accuracy, self.level)
 
-    def _score_group(self, problem: Problem, rolls: list[Rollout], gid: str, version: int) -> list[Sample]:
+    async def _run_tests(self, problem: Problem, rolls: list[Rollout]):
+        """Code tasks: every rollout's program against the task's tests, one executor batch per
+        group. None for other tasks; False when the executor could not score them (the group is
+        dropped: a reward of 0 for an unscored program would be a wrong training signal)."""
+        if not is_spec(problem.answer):
+            return None
+        from .sandbox.client import ExecutorError
+
+        spec = TestSpec.from_json(problem.answer)
+        programs = [complete_program(extract_code(r.texts(self.tokenizer, self.cfg.prompt.prefill)[1]), spec)
+                    for r in rolls]
+        try:
+            return await arun_tests(self.executor, programs, [spec] * len(programs),
+                                    self.cfg.rewards.code_test_timeout_s, self.cfg.executor.max_timeout_s)
+        except ExecutorError as exc:
+            self.stats.unscored_groups += 1
+            log.warning("could not run the tests of %s, group dropped: %s", problem.id, exc)
+            return False
+
+    def _score_group(self, problem: Problem, rolls: list[Rollout], gid: str, version: int,
+                     tests: list | None = None) -> list[Sample]:
         samples = []
-        for r in rolls:
+        for i, r in enumerate(rolls):
             text, final = r.texts(self.tokenizer, self.cfg.prompt.prefill)
-            rewards, total = score(Completion(text, final, r.tool_calls), problem.answer, self.cfg.rewards, version)
+            c = Completion(text, final, r.tool_calls, tests[i] if tests else None)
+            rewards, total = score(c, problem.answer, self.cfg.rewards, version)
             samples.append(Sample(prompt_ids=r.prompt_ids, completion_ids=r.completion_ids, loss_mask=r.loss_mask,
                                   logprobs=r.logprobs, rewards=rewards, reward=total, group_id=gid,
                                   policy_version=version, stop_reason=r.stop_reason, tool_calls=r.tool_calls,

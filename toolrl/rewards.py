@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .codetests import TestResult, is_spec
 from .config import RewardConfig
 from .parsing import last_boxed
 from .protocol import ToolCall
@@ -29,6 +30,7 @@ class Completion:
     text: str  # everything after the prompt, tool output included
     final_text: str  # what the model wrote after its last tool output
     tool_calls: list[ToolCall] = field(default_factory=list)
+    tests: TestResult | None = None  # code tasks: the program's run against the task's tests
 
 
 RewardFn = Callable[[Completion, str, "RewardConfig"], float]
@@ -121,9 +123,34 @@ def is_correct(pred: str | None, gold: str, timeout_s: float = 5.0) -> bool:
 # ---------------------------------------------------------------------------------------------
 # Built-in rewards
 
+def _tests(c: Completion) -> TestResult:
+    if c.tests is None:
+        raise ValueError("a code task's reward needs its test results (Completion.tests): the gen worker runs "
+                         "them in the executor service; `evaluate.py score` does it for one program")
+    return c.tests
+
+
 @register_reward("correct")
 def correct_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
+    """Math: the boxed answer verifies against the ground truth. Code: every test passes."""
+    if is_spec(answer):
+        return _tests(c).reward("all")
     return 1.0 if is_correct(extract_answer(c.final_text), answer, cfg.verify_timeout_s) else 0.0
+
+
+@register_reward("tests")
+def tests_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
+    """Code: the fraction of the task's tests the program passes (or all-or-nothing, rewards.code_mode)."""
+    return _tests(c).reward(cfg.code_mode) if is_spec(answer) else 0.0
+
+
+_CODE_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*```python\n.*?```\s*$", re.S)
+
+
+@register_reward("code_format")
+def code_format_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
+    """Thinking, then exactly one python block and nothing after it (what prompts/code.txt asks)."""
+    return 1.0 if _CODE_FORMAT.match(c.text) and c.text.count("```python") == 1 else 0.0
 
 
 _FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.S)

@@ -1,4 +1,5 @@
-"""A programmatic teacher for the built-in arithmetic task.
+"""Teacher traces, learned by the SFT term: programmatic for the built-in arithmetic task, and for
+code tasks a collected trace (toolrl.teacher_traces) or the data's reference solution.
 
 The generator knows the exact expression behind every problem, so the teacher writes the ideal
 trace: brief reasoning, a `<program>` with a python fence that computes the answer, the marker
@@ -10,7 +11,9 @@ Wording and program style vary so the model learns the behaviour, not one string
 """
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 from .data import Problem
 from .prompts import STOP_MARKER
@@ -74,3 +77,45 @@ async def teacher_sample(problem: Problem, prompt_ids: list[int], tokenizer, too
                   logprobs=[0.0 if m else None for m in mask],  # not sampled: never used as behaviour logprobs
                   rewards={"correct": 1.0}, reward=1.0, advantage=0.0, group_id=group_id,
                   policy_version=policy_version, source="teacher", stop_reason="eos", tool_calls=[call], text=text)
+
+
+_CODE_THINKING = [
+    "I will write the function directly and make sure it handles the edge cases.",
+    "Let me work out the approach, then write the complete solution.",
+    "The task is clear; here is a straightforward implementation.",
+]
+
+
+def load_code_traces(path: str | None) -> dict[str, list[dict]]:
+    """Collected traces by problem id (jsonl rows with id, thinking, code; see teacher_traces)."""
+    if not path:
+        return {}
+    traces: dict[str, list[dict]] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            traces.setdefault(row["id"], []).append(row)
+    return traces
+
+
+def code_teacher_sample(problem: Problem, prompt_ids: list[int], tokenizer, traces: dict[str, list[dict]],
+                        rng: random.Random, group_id: str, policy_version: int, prefill: str = "") -> Sample | None:
+    """A code task's ideal answer in the layout prompts/code.txt asks for: thinking, then one
+    python block. None when there is neither a collected trace nor a reference solution."""
+    if problem.id in traces:
+        row = rng.choice(traces[problem.id])
+        thinking, code = row.get("thinking") or rng.choice(_CODE_THINKING), row["code"]
+    elif problem.program:
+        thinking, code = rng.choice(_CODE_THINKING), problem.program
+    else:
+        return None
+    text = f"<think>\n{thinking.strip()}\n</think>\n```python\n{code.strip()}\n```"
+    if prefill and text.startswith(prefill):
+        text = text[len(prefill):]  # the prompt already ends with the prefill
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return Sample(prompt_ids=prompt_ids, completion_ids=ids, loss_mask=[1] * len(ids),
+                  logprobs=[0.0] * len(ids), rewards={"correct": 1.0}, reward=1.0, advantage=0.0,
+                  group_id=group_id, policy_version=policy_version, source="teacher", stop_reason="eos",
+                  tool_calls=[], text=prefill + text)

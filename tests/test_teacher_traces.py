@@ -1,0 +1,70 @@
+"""Teacher traces from a real OpenAI-compatible server: vLLM's own server on CPU with SmolLM2,
+started here. Kept traces pass their tests; the rest are rejected and saved apart."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procs import ROOT, Proc, free_port  # noqa: E402
+from toolrl.codetasks import load_mbpp  # noqa: E402
+from toolrl.codetests import TestSpec, run_tests  # noqa: E402
+from toolrl.models import resolve_model  # noqa: E402
+from toolrl.sandbox.client import ExecutorClient  # noqa: E402
+from toolrl.sandbox.local import LocalExecutor  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+TASKS = ROOT / "tests" / "fixtures" / "mbpp_trivial.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "TOKENIZERS_PARALLELISM": "false"}
+    model = resolve_model("smollm2-135m-instruct")
+    p = Proc("vllm_serve", ["-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                            "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port),
+                            "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
+                            "--enforce-eager", "--gpu-memory-utilization", "0.3"],
+             tmp_path_factory.mktemp("vllm"), env=env)
+    try:
+        p.wait_http(f"http://127.0.0.1:{port}/health", 600)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        p.stop()
+
+
+def test_traces_are_collected_scored_and_kept_only_when_they_pass(server, tmp_path):
+    out, rej = tmp_path / "traces.jsonl", tmp_path / "rejected.jsonl"
+    p = subprocess.run([sys.executable, "-m", "toolrl.teacher_traces", "--base-url", server, "--model", "smol",
+                        "--tasks", f"mbpp:{TASKS}", "--split", "all", "--samples", "6", "--concurrency", "4",
+                        "--temperature", "0.8", "--request-seed", "0", "--max-tokens", "256", "--out", str(out), "--rejected", str(rej),
+                        "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    stats = json.loads(p.stdout.strip().splitlines()[-1])
+    assert stats["requested"] == 18 and stats["answered"] == 18 and stats["failed_requests"] == 0
+    kept = [json.loads(x) for x in out.read_text().splitlines()]
+    rejected = [json.loads(x) for x in rej.read_text().splitlines()]
+    assert len(kept) + len(rejected) == 18 and stats["kept"] == len(kept)
+    assert kept, "SmolLM2 solved none of add / is_even / nth_prime in 18 seeded tries"
+    assert all(set(r) >= {"id", "thinking", "code", "passed", "total"} for r in kept + rejected)
+    # re-scored independently: every kept trace passes, every rejected one does not
+    problems = {p.id: p for p in load_mbpp(str(TASKS))}
+    with LocalExecutor() as ex, ExecutorClient(ex.url) as c:
+        rows = kept + rejected
+        res = run_tests(c, [r["code"] for r in rows], [TestSpec.from_json(problems[r["id"]].answer) for r in rows])
+    assert [r.passed == r.total for r in res] == [True] * len(kept) + [False] * len(rejected)
+
+
+def test_unreachable_server_is_a_clear_failure_after_retries(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "toolrl.teacher_traces", "--base-url",
+                        f"http://127.0.0.1:{free_port()}/v1", "--model", "x", "--tasks", f"mbpp:{TASKS}",
+                        "--split", "all", "--n", "1", "--retries", "1", "--out", str(tmp_path / "t.jsonl"), "--quiet"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "no answer from" in p.stderr
+    stats = json.loads(p.stdout.strip().splitlines()[-1])
+    assert stats["failed_requests"] == 1 and stats["retries"] == 1 and "ConnectError" in stats["errors"][0]
