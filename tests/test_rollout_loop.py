@@ -142,3 +142,36 @@ def test_teacher_traces_have_the_rollout_layout(tool):
         assert head.endswith(STOP_MARKER) and "```python" in head
         assert s.text.rstrip().endswith(f"\\boxed{{{p.answer}}}\n</answer>")
         assert s.completion_ids[-1] == TOK.eos_token_id
+
+
+def test_a_code_group_is_scored_by_its_tests_with_a_teacher_trace(tool, tmp_path):
+    """GenWorker on a code task (scripted engine, real executor): the tests reward is the fraction
+    of tests passed, correct is all-or-nothing, and the teacher trace is the reference solution."""
+    from toolrl.config import load_config
+    from toolrl.genworker import GenWorker
+
+    url = tool().client.url
+    fixture = Path(__file__).parent / "fixtures" / "mbpp_sample.jsonl"
+    cfg = load_config("configs/cpu_code.yaml", [f"executor.url={url}", f"data.path=mbpp:{fixture}",
+                                                "data.train_fraction=1.0", "rollout.group_size=3",
+                                                "teacher.traces_per_group=1"])
+    answers = {"right": "def square_perimeter(a):\n    return 4 * a",
+               "partly": "def square_perimeter(a):\n    return 40 if a == 10 else 0",
+               "none": "I am not sure."}
+    script = Script([(f"Perimeter is four sides.\n</think>\n```python\n{answers[k]}\n```", None) if k != "none"
+                     else (answers[k], None) for k in answers])
+    worker = GenWorker(cfg, worker_id="t", engine=script)
+    problem = next(p for p in worker.problems if p.id == "mbpp:17")
+
+    async def one_group():
+        try:
+            return await worker.rollout_group(problem)
+        finally:
+            await worker.executor.aclose()
+    group = asyncio.run(one_group())
+    model, teacher = group[:3], group[3]
+    assert [s.rewards["tests"] for s in model] == pytest.approx([1.0, 1 / 3, 0.0])
+    assert [s.rewards["correct"] for s in model] == [1.0, 0.0, 0.0]
+    assert [s.rewards["code_format"] for s in model] == [1.0, 1.0, 0.0]
+    assert model[0].advantage > model[1].advantage > model[2].advantage
+    assert teacher.source == "teacher" and "perimeter=4*a" in teacher.text and set(teacher.loss_mask) == {1}
