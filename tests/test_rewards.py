@@ -92,3 +92,23 @@ def test_group_advantages():
     assert group_advantages([0.3, 0.3, 0.3]) == [0.0, 0.0, 0.0]
     assert zero_variance([0.3, 0.3]) and not zero_variance([0.3, 0.31])
     assert sum(group_advantages([0.1, 0.7, 0.2])) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_code_rewards_read_the_test_results():
+    from toolrl.codetests import TestResult, TestSpec
+
+    spec = TestSpec("assert", tests=["assert f() == 1", "assert f() == 1", "assert f() == 1"]).to_json()
+    cfg = RewardConfig(weights={"tests": 1.0, "correct": 0.5, "code_format": 0.1})
+    text = "<think>\nplan\n</think>\n```python\ndef f():\n    return 1\n```\n"
+    c = Completion(text, text, [], TestResult(2, 3, "ok"))
+    comps, total = score(c, spec, cfg)
+    assert comps == {"tests": pytest.approx(2 / 3), "correct": 0.0, "code_format": 1.0}
+    assert total == pytest.approx(2 / 3 + 0.1)
+    assert score(c, spec, RewardConfig(weights={"tests": 1.0}, code_mode="all"))[0]["tests"] == 0.0
+    full = Completion(text, text, [], TestResult(3, 3, "ok"))
+    assert score(full, spec, cfg)[0]["correct"] == 1.0
+    two_blocks = text + "```python\nprint(1)\n```"
+    assert score(Completion(two_blocks, two_blocks, [], TestResult(3, 3, "ok")), spec, cfg)[0]["code_format"] == 0.0
+    with pytest.raises(ValueError, match="needs its test results"):
+        score(Completion(text, text), spec, cfg)
+    assert score(comp(GOOD), "1234", RewardConfig(weights={"tests": 1.0}))[0]["tests"] == 0.0  # math: no tests

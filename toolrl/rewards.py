@@ -67,6 +67,13 @@ def _verify(pred: str, gold: str, timeout_s: int) -> bool:
     return bool(gold_p and pred_p and verify(gold_p, pred_p, timeout_seconds=timeout_s))
 
 
+STARTUP_TIMEOUT_S = 300.0
+
+
+def _warm() -> None:
+    import math_verify  # noqa: F401
+
+
 class Verifier:
     """math-verify in a spawned child process: its signal-based timeout needs a main thread, and
     a verification that still hangs gets the child killed and replaced."""
@@ -79,12 +86,20 @@ class Verifier:
 
     def _get_pool(self) -> cf.ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+            pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+            # Start-up (spawn + importing math-verify and sympy: seconds, far more on a loaded
+            # machine) must not count against a verification's timeout, or answers fail at random.
+            self._pool = pool
+            pool.submit(_warm).result(timeout=STARTUP_TIMEOUT_S)  # on failure the caller's _kill() cleans up
         return self._pool
 
     def __call__(self, pred: str, gold: str) -> bool:
         with self._lock:
-            fut = self._get_pool().submit(_verify, pred, gold, max(1, int(self.timeout_s)))
+            try:
+                fut = self._get_pool().submit(_verify, pred, gold, max(1, int(self.timeout_s)))
+            except Exception:  # the child could not even start: not correct, and try again next time
+                self._kill()
+                return False
             try:
                 return fut.result(timeout=self.timeout_s + 5)
             except cf.TimeoutError:
