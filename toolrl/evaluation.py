@@ -126,9 +126,13 @@ def summarize(problems: list[Problem], groups: dict[str, list], ks: list[int]) -
     per_problem = []
     for p in problems:
         g = groups.get(p.id, [])
-        per_problem.append({"id": p.id, "answer": p.answer, "n": len(g),
+        answer = p.answer if len(p.answer) < 200 else p.answer[:200] + "…"  # code tasks: tests, cut
+        per_problem.append({"id": p.id, "answer": answer, "n": len(g),
                             "correct": int(sum(s.rewards.get("correct", 0.0) >= 1.0 for s in g))})
     calls = [t for s in samples for t in s.tool_calls]
+    from .codetests import is_spec
+
+    fmt = "code_format" if problems and all(is_spec(p.answer) for p in problems) else "format"
     pak = {}
     for k in ks:
         vals = [pass_at_k(r["n"], r["correct"], k) for r in per_problem if r["n"] >= k]
@@ -138,7 +142,7 @@ def summarize(problems: list[Problem], groups: dict[str, list], ks: list[int]) -
         "n_problems": len(problems), "n_samples": n,
         "accuracy": statistics.fmean([s.rewards.get("correct", 0.0) for s in samples]) if n else 0.0,
         "pass_at_k": pak,
-        "format_rate": statistics.fmean([s.rewards.get("format", 0.0) for s in samples]) if n else 0.0,
+        "format_rate": statistics.fmean([s.rewards.get(fmt, 0.0) for s in samples]) if n else 0.0,
         "tool_calls_per_answer": len(calls) / n if n else 0.0,
         "tool_error_rate": sum(t.status != "ok" for t in calls) / len(calls) if calls else 0.0,
         "code_written_rate": statistics.fmean([bool(s.tool_calls) for s in samples]) if n else 0.0,
