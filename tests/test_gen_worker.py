@@ -82,7 +82,9 @@ def test_workers_register_and_report(stack, samples):
     workers = workers.get("workers", workers) if isinstance(workers, dict) else workers
     assert [w["id"] for w in workers] == ["w-test"]
     st = httpx.get(f"{stack['worker']}/stats").json()
-    assert st["samples"] >= len(samples) and st["tokens_per_s"] > 0 and st["tool_calls"] >= 1
+    policy = [s for s in samples if s.source == "policy"]  # cpu_demo adds a teacher trace to each group
+    assert len(policy) < len(samples) and st["teacher_traces"] >= len(samples) - len(policy)
+    assert st["samples"] >= len(policy) and st["tokens_per_s"] > 0 and st["tool_calls"] >= 1
 
 
 def test_tool_output_in_the_token_stream_is_the_executors_and_masked(stack, samples):
@@ -115,8 +117,9 @@ def test_tool_output_in_the_token_stream_is_the_executors_and_masked(stack, samp
 
 
 def test_sampler_logprobs_match_a_transformers_forward(samples, hf):
-    ours = sample_logprobs(hf, samples, temperature=TEMP)
-    diffs = [abs(a - b) for s, row in zip(samples, ours) for a, b, m in zip(s.logprobs, row, s.loss_mask) if m]
+    policy = [s for s in samples if s.source == "policy"]  # teacher traces were not sampled: no logprobs
+    ours = sample_logprobs(hf, policy, temperature=TEMP)
+    diffs = [abs(a - b) for s, row in zip(policy, ours) for a, b, m in zip(s.logprobs, row, s.loss_mask) if m]
     assert len(diffs) > 100
     assert sum(diffs) / len(diffs) < 0.01 and max(diffs) < 0.15, (sum(diffs) / len(diffs), max(diffs))
 
