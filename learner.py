@@ -64,14 +64,20 @@ def main() -> None:
     acc_ema = None  # drives the decay of the teacher-SFT weight as the policy gets better
     while trainer.step < cfg.learner.steps:
         t0 = time.time()
-        batch, deadline = None, t0 + cfg.learner.batch_timeout_s
-        while batch is None:
+        # A step trains on a full batch (batch_samples): pieces are gathered until it is full.
+        want, budget = max(1, cfg.learner.batch_samples // world), cfg.learner.batch_tokens // world
+        batch, deadline = [], t0 + cfg.learner.batch_timeout_s
+        while len(batch) < want:
             if time.time() > deadline:
-                raise SystemExit(f"no batch from {cfg.ref_server.url} within {cfg.learner.batch_timeout_s:.0f}s")
+                raise SystemExit(f"{len(batch)}/{want} samples from {cfg.ref_server.url} within "
+                                 f"{cfg.learner.batch_timeout_s:.0f}s")
             if rank0:
                 sync.catch_up(state, trainer.version)
-            batch = ref.get_batch(max(1, cfg.learner.batch_samples // world), cfg.learner.batch_tokens // world,
-                                  wait_s=min(10.0, cfg.ref_server.batch_wait_s))
+            used = sum(len(s.prompt_ids) + len(s.completion_ids) for s in batch)
+            if batch and used >= budget:
+                break  # the token budget is full before the sample count
+            batch += ref.get_batch(want - len(batch), budget - used, wait_s=min(10.0, cfg.ref_server.batch_wait_s),
+                                   min_samples=want - len(batch)) or []
         t1 = time.time()
         w_teacher = cfg.grpo.w_teacher
         if cfg.teacher.decay_at_accuracy is not None and acc_ema is not None:
