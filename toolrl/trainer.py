@@ -86,12 +86,12 @@ def clear_stale_op_locks(max_age_s: float = 900.0) -> list[Path]:
 
 
 def build_cpu_ops() -> None:
-    """Compile DeepSpeed's CPU ops now (`make install`), so no run or test pays minutes for it."""
+    """Compile DeepSpeed's CPU communication op now (`make install`), so no run or test pays minutes for it."""
     from deepspeed.accelerator import get_accelerator
 
     for lock in clear_stale_op_locks(max_age_s=0):
         print(f"removed a stale build lock: {lock}")
-    for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+    for name in ("ShareMemCommBuilder",):  # the learner uses torch AdamW: no fused_adam to build
         builder = get_accelerator().create_op_builder(name)
         if builder is not None:
             t0 = time.time()
