@@ -97,6 +97,9 @@ def test_humaneval_style_candidate_and_stdio_and_call_tasks(client):
     stdio = TestSpec("stdio", inputs=["2 3\n", "10 -4\n", "1 1\n"], outputs=["5\n", "6", "3\n"])
     prog = "a, b = map(int, input().split())\nprint(a + b)\n"
     assert score(client, [prog, "print(5)"], stdio) == [2, 1]  # the third expected output is wrong on purpose
+    fast_io = ("import sys\na, b = map(int, sys.stdin.buffer.readline().split())\n"
+               "sys.stdout.buffer.write(b'%d\\n' % (a + b))\n")
+    assert score(client, [fast_io], stdio) == [2]
     long_out = TestSpec("stdio", inputs=["300\n"], outputs=["\n".join(map(str, range(300)))])
     assert score(client, ["for i in range(int(input())):\n    print(i)\n"], long_out) == [1]  # sent as a hash
 

@@ -228,8 +228,11 @@ def _toolrl_harness(program, spec):
                 report(i, False, type(exc).__name__)
     elif spec["kind"] == "stdio":
         for i, text in enumerate(spec["inputs"]):
-            out = io.StringIO()
-            sys.stdin, sys.stdout, sys.stderr = io.StringIO(text), out, io.StringIO()
+            # real text streams over bytes, so sys.stdin.buffer / sys.stdout.buffer work as in a script
+            raw = io.BytesIO()
+            out = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", write_through=True)
+            sys.stdin = io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8")
+            sys.stdout, sys.stderr = out, io.StringIO()
             try:
                 run(compiled, {"__name__": "__main__", "__builtins__": builtins}, timeout)
                 ok = True
@@ -237,7 +240,12 @@ def _toolrl_harness(program, spec):
                 ok = exc.code in (None, 0)
             except BaseException:
                 ok = False
-            text = "\n".join(ln.rstrip() for ln in out.getvalue().strip().splitlines())
+            try:
+                out.flush()
+            except BaseException:
+                pass
+            printed = raw.getvalue().decode("utf-8", "replace")
+            text = "\n".join(ln.rstrip() for ln in printed.strip().splitlines())
             report(i, ok, digest(text) if ok else None)
     else:
         ns = {"__name__": "__main__", "__builtins__": builtins}
