@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from toolrl.data import DataError
-from toolrl.evaluation import load_task, pass_at_k, resolve_eval_model
+from toolrl.config import load_config
+from toolrl.evaluation import eval_config, load_task, pass_at_k, problem_of, resolve_eval_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,6 +31,20 @@ def test_run_directory_means_its_export(tmp_path):
     assert resolve_eval_model("smollm2-135m-instruct") == "smollm2-135m-instruct"
     with pytest.raises(FileNotFoundError, match="run directory"):
         resolve_eval_model(str(tmp_path.parent))
+
+
+def test_groups_map_back_to_problems_and_teachers_stay_out():
+    assert problem_of("eval:humaneval:HumanEval/12:7") == "humaneval:HumanEval/12"
+    assert problem_of("w-1:arith-3-17:0") == "arith-3-17"
+    cfg = eval_config(load_config("configs/cpu_demo.yaml"), 5)
+    assert cfg.teacher.traces_per_group == 0 and cfg.rollout.group_size == 5
+
+
+def test_code_task_is_the_held_out_split():
+    from toolrl.codetasks import load_humaneval, split
+
+    held = load_task("code:humaneval", 100, seed=0, level=1)
+    assert [p.id for p in held] == [p.id for p in split(load_humaneval(), 0)[1]] and len(held) == 33
 
 
 def test_tasks():

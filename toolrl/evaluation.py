@@ -153,13 +153,25 @@ def summarize(problems: list[Problem], groups: dict[str, list], ks: list[int]) -
     }
 
 
+def eval_config(cfg: Config, samples_per_problem: int) -> Config:
+    """The policy alone, `samples_per_problem` per group: no teacher traces in an evaluation (they
+    are correct by construction and would count as the model's answers)."""
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"group_size": samples_per_problem}),
+                                  "teacher": cfg.teacher.model_copy(update={"traces_per_group": 0})})
+
+
+def problem_of(group_id: str) -> str:
+    """The problem id in a group id `worker:problem_id:n`; problem ids may hold colons."""
+    return group_id.split(":", 1)[1].rsplit(":", 1)[0]
+
+
 async def run_eval(cfg: Config, problems: list[Problem], samples_per_problem: int, ks: list[int],
                    progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from .genworker import GenWorker
 
-    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"group_size": samples_per_problem})})
+    cfg = eval_config(cfg, samples_per_problem)
     worker = GenWorker(cfg, worker_id="eval")
     worker.problems = iter(problems)
     groups: dict[str, list] = {}
@@ -167,8 +179,7 @@ async def run_eval(cfg: Config, problems: list[Problem], samples_per_problem: in
     try:
         with tqdm(total=len(problems), desc="eval", unit="problem", disable=not progress) as bar:
             async for group in worker.produce(n_groups=len(problems)):
-                pid = group[0].group_id.split(":")[1]
-                groups[pid] = group
+                groups[problem_of(group[0].group_id)] = [s for s in group if s.source == "policy"]
                 bar.update(1)
                 done = [s for g in groups.values() for s in g]
                 bar.set_postfix(acc=f"{statistics.fmean(s.rewards.get('correct', 0.0) for s in done):.3f}")
