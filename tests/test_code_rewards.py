@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from toolrl.codetasks import load_apps, load_humaneval, load_mbpp, program_for, split
+from toolrl.codetasks import load_apps, load_code_task, load_humaneval, load_mbpp, program_for, split
 from toolrl.data import DataError
 from toolrl.codetests import TestSpec, extract_code, judge, new_nonce, run_tests
 from toolrl.sandbox.client import ExecutorClient
@@ -173,6 +173,10 @@ def test_mbpp_and_apps_local_files_in_their_own_formats(client):
     assert [p.id for p in load_apps(str(FIX / "apps_sample.jsonl"), difficulty="interview")] == ["apps:4001"]
     with pytest.raises(DataError, match="difficulty"):
         load_apps(str(FIX / "apps_sample.jsonl"), difficulty="hard")
+    mixed = load_code_task(f"mbpp:{FIX / 'mbpp_sample.jsonl'}+apps:{FIX / 'apps_sample.jsonl'}@interview")
+    assert [p.id for p in mixed] == ["mbpp:11", "mbpp:17", "mbpp:900", "apps:4001"]
+    with pytest.raises(DataError, match="unknown code task"):
+        load_code_task("appsx")
     problems = mbpp + apps
     res = run_tests(client, [p.program for p in problems], [TestSpec.from_json(p.answer) for p in problems])
     assert [(r.passed, r.total) for r in res] == [(3, 3), (3, 3), (2, 2), (3, 3), (3, 3)]

@@ -37,11 +37,10 @@ def humaneval_tests(test_code: str, entry_point: str, code_prompt: str = "") -> 
     prelude = "\n".join(ast.get_source_segment(test_code, n) for n in tree.body if n is not check)
     body = [n for n in check.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
     setup = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    asserts = [n for n in body if isinstance(n, ast.Assert)]
-    n_body = len(body)
+    all_asserts = [n for n in body if isinstance(n, ast.Assert)]
     # `assert True, "..."` lines test nothing; as tests they would hand out free partial credit
-    asserts = [a for a in asserts if any(isinstance(x, ast.Name) and x.id == "candidate" for x in ast.walk(a))]
-    if len(setup) + len(asserts) + sum(isinstance(n, ast.Assert) for n in body) - len(asserts) == n_body and asserts:
+    asserts = [a for a in all_asserts if any(isinstance(x, ast.Name) and x.id == "candidate" for x in ast.walk(a))]
+    if asserts and len(setup) + len(all_asserts) == len(body):
         head = "\n".join(ast.get_source_segment(test_code, n) for n in setup)
         tests = [f"{head}\n{ast.get_source_segment(test_code, a)}".strip() for a in asserts]
     else:
@@ -61,8 +60,7 @@ def load_humaneval(path: str | None = None) -> list[Problem]:
                     f"```python\n{r['prompt']}```")
         problems.append(Problem(id=f"humaneval:{r['task_id']}", question=question, answer=spec.to_json(),
                                 program=r["prompt"] + r["canonical_solution"],
-                                meta={"source": "humaneval", "entry_point": r["entry_point"],
-                                      "code_prompt": r["prompt"]}))
+                                meta={"source": "humaneval"}))
     return problems
 
 
@@ -148,11 +146,9 @@ def load_code_task(task: str) -> list[Problem]:
             problems += load_humaneval(arg or None)
         elif kind == "mbpp":
             problems += load_mbpp(arg or HUB_MBPP)
-        elif kind.startswith("apps"):
-            spec, _, difficulty = (arg or HUB_APPS).partition("@")
-            if kind.startswith("apps@"):
-                difficulty = kind.split("@", 1)[1]
-            problems += load_apps(spec or HUB_APPS, difficulty=difficulty or None)
+        elif kind.partition("@")[0] == "apps":  # apps, apps@DIFFICULTY, apps:PATH, apps:PATH@DIFFICULTY
+            path, _, difficulty = (arg or kind).partition("@")
+            problems += load_apps((path if arg else "") or HUB_APPS, difficulty=difficulty or None)
         else:
             raise DataError(f"unknown code task {part!r}; use humaneval, mbpp[:PATH], apps[:PATH][@DIFFICULTY]")
     return problems

@@ -343,8 +343,8 @@ def _value_matches(payload, want) -> bool:
 
 
 def judge(stdout: str, status: str, nonce: str, spec: TestSpec) -> TestResult:
-    """Count passes from the harness's nonce lines. A test reported twice, or a line that does not
-    parse, means the output was tampered with: nothing passes."""
+    """Count passes from the harness's nonce lines. A test reported twice means the output was
+    tampered with: nothing passes. A nonce line that does not parse was cut by the output cap."""
     seen: dict[int, tuple[bool, object]] = {}
     detail = ""
     for line in stdout.splitlines():
@@ -387,6 +387,11 @@ def complete_program(code: str | None, spec: TestSpec) -> str | None:
     if code is not None and entry and spec.code_prompt and not re.search(rf"^\s*def {re.escape(entry)}\b", code, re.M):
         return spec.code_prompt + code
     return code
+
+
+def program_in(completion: str, spec: TestSpec) -> str | None:
+    """The program to test from a model's completion: extracted, then completed for HumanEval."""
+    return complete_program(extract_code(completion), spec)
 
 
 def new_nonce() -> str:

@@ -106,14 +106,13 @@ def executor_available(cfg: Config, log=print):
 def score_program(cfg: Config, task_id: str, text: str, mode: str = "fraction", log=print) -> dict:
     """`evaluate.py score`: run one program (a file's text, or a completion with a code fence)
     against one task's tests in the executor service."""
-    from .codetasks import find_task, program_for
-    from .codetests import TestSpec, extract_code, run_tests
+    from .codetasks import find_task
+    from .codetests import TestSpec, complete_program, extract_code, run_tests
     from .sandbox.client import ExecutorClient
 
     problem = find_task(task_id)
     spec = TestSpec.from_json(problem.answer)
-    code = extract_code(text) if "```" in text or "</think>" in text else text
-    code = program_for(problem, code)
+    code = complete_program(extract_code(text) if "```" in text or "</think>" in text else text, spec)
     with executor_available(cfg, log) as c2, ExecutorClient(c2.executor.url, token=c2.executor.token) as ex:
         res = run_tests(ex, [code], [spec], per_test_timeout_s=cfg.rewards.code_test_timeout_s)[0]
     return {"task": task_id, "passed": res.passed, "total": res.total, "reward": res.reward(mode),

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .advantages import group_advantages, zero_variance
-from .codetests import TestSpec, arun_tests, complete_program, extract_code, is_spec
+from .codetests import TestSpec, arun_tests, is_spec, program_in
 from .config import Config
 from .data import Problem, arithmetic_stream, load_problems
 from .engine import VllmEngine, wait_for
@@ -198,8 +198,7 @@ class GenWorker:
         from .sandbox.client import ExecutorError
 
         spec = TestSpec.from_json(problem.answer)
-        programs = [complete_program(extract_code(r.texts(self.tokenizer, self.cfg.prompt.prefill)[1]), spec)
-                    for r in rolls]
+        programs = [program_in(r.texts(self.tokenizer, self.cfg.prompt.prefill)[1], spec) for r in rolls]
         try:
             return await arun_tests(self.executor, programs, [spec] * len(programs),
                                     self.cfg.rewards.code_test_timeout_s, self.cfg.executor.max_timeout_s)

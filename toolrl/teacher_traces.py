@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from .codetests import TestSpec, arun_tests, complete_program, extract_code
+from .codetests import TestSpec, arun_tests, program_in
 from .data import Problem
 from .prompts import load_chat_prompt
 
@@ -86,7 +86,7 @@ async def collect(problems: list[Problem], base_url: str, model: str, executor, 
         answers = [m for m in msgs if m is not None]
         stats["answered"] += len(answers)
         spec = TestSpec.from_json(problem.answer)
-        codes = [complete_program(extract_code(m.get("content") or ""), spec) for m in answers]
+        codes = [program_in(m.get("content") or "", spec) for m in answers]
         results = await arun_tests(executor, codes, [spec] * len(codes), per_test_timeout_s)
         for m, code, r in zip(answers, codes, results):
             row = {"id": problem.id, "model": model, "thinking": split_thinking(m.get("content") or "",

@@ -91,12 +91,11 @@ def build_cpu_ops() -> None:
 
     for lock in clear_stale_op_locks(max_age_s=0):
         print(f"removed a stale build lock: {lock}")
-    for name in ("ShareMemCommBuilder",):  # the learner uses torch AdamW: no fused_adam to build
-        builder = get_accelerator().create_op_builder(name)
-        if builder is not None:
-            t0 = time.time()
-            builder.load()
-            print(f"DeepSpeed op {builder.NAME} ready ({time.time() - t0:.0f}s)")
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")  # torch AdamW: no fused_adam
+    if builder is not None:
+        t0 = time.time()
+        builder.load()
+        print(f"DeepSpeed op {builder.NAME} ready ({time.time() - t0:.0f}s)")
 
 
 class Trainer:
