@@ -112,3 +112,17 @@ def test_code_rewards_read_the_test_results():
     with pytest.raises(ValueError, match="needs its test results"):
         score(Completion(text, text), spec, cfg)
     assert score(comp(GOOD), "1234", RewardConfig(weights={"tests": 1.0}))[0]["tests"] == 0.0  # math: no tests
+
+
+def test_bad_teacher_trace_files_get_one_clear_error(tmp_path):
+    from toolrl.teacher import load_code_traces
+
+    good = tmp_path / "t.jsonl"
+    good.write_text('{"id": "mbpp:1", "code": "x = 1", "thinking": ""}\n\n{"id": "mbpp:1", "code": "x = 2"}\n')
+    assert [r["code"] for r in load_code_traces(str(good))["mbpp:1"]] == ["x = 1", "x = 2"]
+    with pytest.raises(ValueError, match="cannot read"):
+        load_code_traces(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "code": "1"}\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a trace row"):
+        load_code_traces(str(bad))

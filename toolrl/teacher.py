@@ -91,9 +91,18 @@ def load_code_traces(path: str | None) -> dict[str, list[dict]]:
     if not path:
         return {}
     traces: dict[str, list[dict]] = {}
-    for line in Path(path).read_text().splitlines():
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"teacher.traces_path: cannot read {path}: {exc.strerror}") from None
+    for n, line in enumerate(lines, 1):
         if line.strip():
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"teacher.traces_path {path}:{n}: not a trace row: {exc}") from None
+            if not isinstance(row, dict) or not {"id", "code"} <= set(row):
+                raise ValueError(f"teacher.traces_path {path}:{n}: not a trace row (needs id and code)")
             traces.setdefault(row["id"], []).append(row)
     return traces
 
