@@ -4,7 +4,7 @@
         [--config CFG] [--set k=v ...] [--ks 1,5,10] [--temperature T] [--seed S]
 
 M: a built-in name (smollm2-135m-instruct), an HF id or path, or a run directory (its export).
-T: arithmetic[:LEVEL] (held-out seed data.eval_seed unless --seed), gsm8k:PATH, math:PATH, jsonl:PATH,
+T: arithmetic[:LEVEL or LO-HI] (held-out seed data.eval_seed unless --seed), gsm8k:PATH, math:PATH, jsonl:PATH,
    code:TASKS (the held-out split of data.source=code, e.g. code:humaneval; accuracy = all tests pass).
 Needs the executor service at executor.url; if none answers, a private one is started.
 
@@ -68,14 +68,12 @@ def main() -> None:
     cfg = config_from_args(args)
 
     from toolrl.data import DataError
-    from toolrl.evaluation import evaluate, load_task, resolve_eval_model
+    from toolrl.evaluation import evaluate, load_task, resolve_eval_model, task_seed
 
     try:
         ks = sorted({int(k) for k in args.ks.split(",") if k.strip()})
         model = resolve_eval_model(args.model)
-        # code tasks: the held-out side of the split the training run made with data.seed
-        default_seed = cfg.data.seed if args.task.startswith("code") else cfg.data.eval_seed
-        problems = load_task(args.task, args.n_problems, default_seed if args.seed is None else args.seed,
+        problems = load_task(args.task, args.n_problems, task_seed(cfg, args.task, args.seed),
                              cfg.data.level, cfg.data.train_fraction)
     except (ValueError, DataError, FileNotFoundError) as exc:
         print(f"evaluate.py: {exc}", file=sys.stderr)

@@ -122,11 +122,17 @@ all components up. Watch:
   WandB        $RUN_DIR/logs/wandb   (offline: wandb sync $RUN_DIR/logs/wandb/offline-run-*)
 EOF
 
-LAST_LINE=""
+SHOWN=0
+progress() {  # the learner's step and eval lines not shown yet
+  local lines
+  lines=$(grep -E '^(step [0-9]+/|eval )' "$RUN_DIR/logs/learner.log" 2>/dev/null | tail -n +$((SHOWN + 1)) || true)
+  [ -z "$lines" ] && return 0
+  sed 's/^/  /' <<< "$lines"
+  SHOWN=$((SHOWN + $(wc -l <<< "$lines")))
+}
 EX_RESTARTS=0
 while kill -0 "${PIDS[learner]}" 2>/dev/null; do
-  line=$(grep -E '^step [0-9]+/' "$RUN_DIR/logs/learner.log" 2>/dev/null | tail -n 1 || true)
-  if [ -n "$line" ] && [ "$line" != "$LAST_LINE" ]; then echo "  $line"; LAST_LINE=$line; fi
+  progress
   if ! kill -0 "${PIDS[ref_server]}" 2>/dev/null; then echo "launch.sh: ref_server died; stopping" >&2; exit 1; fi
   if ! kill -0 "${PIDS[executor]}" 2>/dev/null; then
     EX_RESTARTS=$((EX_RESTARTS + 1))
@@ -151,6 +157,7 @@ done
 set +e
 wait "${PIDS[learner]}"; RC=$?
 set -e
+progress
 [ "$RC" = 0 ] || { echo "launch.sh: learner failed (exit $RC); last lines:" >&2; tail -n 30 "$RUN_DIR/logs/learner.log" >&2; exit 1; }
 echo "training done; checking every worker against the final policy and writing the report"
 "$PY" -m toolrl.runinfo "$RUN_DIR" "${COMMON[@]}" --wall-s $(( $(date +%s) - STARTED_AT )) | tee "$RUN_DIR/logs/summary.log"

@@ -61,6 +61,30 @@ def main() -> None:
     elif rank0:
         ref.set_version(trainer.version)
 
+    def held_out(tag: str) -> None:
+        """A held-out evaluation (the `eval` section) on a live worker holding the current policy.
+        Rank 0 only; a failure is logged, never fatal to training."""
+        if not rank0:
+            return
+        from toolrl.evaluation import evaluate_on_worker
+
+        t, deadline = time.time(), time.time() + min(300.0, cfg.eval.timeout_s)
+        while True:
+            try:
+                res = evaluate_on_worker(cfg, ref.workers(), trainer.version, sync.pushed)
+                break
+            except Exception as exc:
+                if "no live worker" not in str(exc) or time.time() > deadline:
+                    log.warning("held-out evaluation (%s) skipped: %s", tag, exc)
+                    return
+                time.sleep(2)  # workers still starting, or a heartbeat behind
+        monitor.log_eval(trainer.step, tag, res)
+        print(f"eval {tag} step {trainer.step} v{trainer.version}: accuracy {res['accuracy']:.3f} "
+              f"format {res['format_rate']:.2f} tools/answer {res['tool_calls_per_answer']:.2f} "
+              f"on {res['n_problems']} problems x {cfg.eval.samples} ({time.time() - t:.0f}s)", flush=True)
+
+    if cfg.eval.before_after and trainer.step == 0:
+        held_out("before")
     acc_ema = None  # drives the decay of the teacher-SFT weight as the policy gets better
     while trainer.step < cfg.learner.steps:
         t0 = time.time()
@@ -116,10 +140,20 @@ def main() -> None:
                   f"tools/sample {metrics['tool_calls_per_sample']:.2f} loss {metrics['loss']:+.4f} "
                   f"kl {metrics['kl']:.4f} step {metrics['step_time_s']:.1f}s "
                   f"(wait {t1 - t0:.1f} compute {t2 - t1:.1f} sync {t3 - t2:.1f})", flush=True)
+        if cfg.eval.every and trainer.step % cfg.eval.every == 0 and trainer.step < cfg.learner.steps:
+            held_out("every")
+
+    if trainer.step % cfg.learner.sync_every:  # the workers (and the evaluation) get the final policy
+        trainer.version += 1
+        named = state()  # every rank: a ZeRO-3 gather is collective
+        if rank0:
+            sync.push(named, trainer.version)
 
     if cfg.learner.checkpoint_every == 0 or trainer.step % cfg.learner.checkpoint_every:
         trainer.save_checkpoint(ckpt_dir)
     export = trainer.export_hf((run_dir or Path(cfg.learner.checkpoint_dir).parent) / "export")
+    if cfg.eval.before_after or (cfg.eval.every and trainer.step % cfg.eval.every == 0):
+        held_out("after")
     if rank0:
         summary = {"steps": trainer.step, "policy_version": trainer.version, "samples": trainer.samples_seen,
                    "skipped_steps": trainer.skipped_steps, "export": str(export)}

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from toolrl.data import DataError
-from toolrl.config import load_config
-from toolrl.evaluation import eval_config, load_task, pass_at_k, problem_of, resolve_eval_model
+from toolrl.evaluation import load_task, pass_at_k, resolve_eval_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,11 +32,15 @@ def test_run_directory_means_its_export(tmp_path):
         resolve_eval_model(str(tmp_path.parent))
 
 
-def test_groups_map_back_to_problems_and_teachers_stay_out():
-    assert problem_of("eval:humaneval:HumanEval/12:7") == "humaneval:HumanEval/12"
-    assert problem_of("w-1:arith-3-17:0") == "arith-3-17"
-    cfg = eval_config(load_config("configs/cpu_demo.yaml"), 5)
-    assert cfg.teacher.traces_per_group == 0 and cfg.rollout.group_size == 5
+def test_arithmetic_level_ranges_take_the_levels_in_turn():
+    ps = load_task("arithmetic:1-3", 7, seed=5, level=1)
+    assert [p.level for p in ps] == [1, 2, 3, 1, 2, 3, 1]
+    assert load_task("arithmetic:1-3", 4, seed=5, level=1) == ps[:4]  # a smaller eval is a prefix
+    assert [p.id for p in load_task("arithmetic:2", 3, seed=5, level=1)] == [f"arith-L2-s5-{i}" for i in range(3)]
+    assert {p.level for p in load_task("arithmetic", 3, seed=5, level=3)} == {3}
+    for bad in ("arithmetic:x", "arithmetic:3-1"):
+        with pytest.raises(DataError, match="arithmetic"):
+            load_task(bad, 3, seed=5, level=1)
 
 
 def test_code_task_is_the_held_out_split():

@@ -38,6 +38,22 @@ def test_summary_reports_a_finished_run(run):
     assert any((run_dir / "logs" / "wandb").glob("offline-run-*"))
 
 
+def test_held_out_evaluation_before_and_after(run):
+    """The learner had the worker evaluate the base policy before step 1 and the final one after."""
+    run_dir, out = run
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["heldout_policy_version_before"] == 0 and s["heldout_policy_version_after"] == 3
+    assert s["heldout_problems"] == 4 and s["heldout_samples"] == 8
+    # the prefill's program runs in every sample, so both evaluations saw one executed call per answer
+    assert s["heldout_tool_calls_per_answer_before"] >= 1 and s["heldout_tool_calls_per_answer_after"] >= 1
+    assert 0 <= s["heldout_accuracy_before"] <= 1 and 0 <= s["heldout_accuracy_after"] <= 1
+    evals = [json.loads(line) for line in (run_dir / "logs" / "eval.jsonl").read_text().splitlines()]
+    assert [(e["tag"], e["step"]) for e in evals] == [("before", 0), ("after", 3)]
+    assert [p["id"] for p in evals[0]["per_problem"]] == [p["id"] for p in evals[1]["per_problem"]]  # same problems
+    assert [p["id"][:8] for p in evals[0]["per_problem"]] == ["arith-L1", "arith-L2"] * 2
+    assert "eval before step 0 v0" in out and "eval after step 3 v3" in out and "held-out accuracy" in out
+
+
 def test_every_worker_holds_the_final_policy(run):
     run_dir, _ = run
     s = json.loads((run_dir / "summary.json").read_text())

@@ -175,3 +175,50 @@ def test_a_code_group_is_scored_by_its_tests_with_a_teacher_trace(tool, tmp_path
     assert [s.rewards["code_format"] for s in model] == [1.0, 1.0, 0.0]
     assert model[0].advantage > model[1].advantage > model[2].advantage
     assert teacher.source == "teacher" and "perimeter=4*a" in teacher.text and set(teacher.loss_mask) == {1}
+
+
+def test_evaluate_scores_the_policy_alone_and_leaves_training_state_alone(tool):
+    """GenWorker.evaluate (what `POST /evaluate` and evaluate.py run): per-problem correctness and
+    unbiased pass@k, tool use counted, no teacher traces although the config adds them in
+    training, and neither the training statistics nor the curriculum move."""
+    from toolrl.config import load_config
+    from toolrl.genworker import GenWorker
+
+    cfg = load_config("configs/cpu_demo.yaml", [f"executor.url={tool().client.url}", "data.promote_window=1"])
+    assert cfg.teacher.traces_per_group == 1
+    problems = arithmetic_problems(3, seed=11, level=1)
+    calls = {p.id: 0 for p in problems}
+
+    class ByQuestion:
+        """Problem 0: always right, with a program; problem 1: right on the first sample only;
+        problem 2: always wrong, no program."""
+
+        async def generate(self, ids, max_tokens, request_id):
+            text = TOK.decode(ids)
+            i = next(i for i, p in enumerate(problems) if p.question in text)
+            p = problems[i]
+            calls[p.id] += 1
+            if i == 0 and STOP_MARKER not in text.split(p.question)[-1]:
+                out, stop = prog(p.meta["expression"].join(["print(", ")"])), STOP_MARKER
+            elif i == 0 or (i == 1 and calls[p.id] == 1):
+                out, stop = f"Done.\n</think>\n<answer>\n\\boxed{{{p.answer}}}\n</answer>", None
+            else:
+                out, stop = "Done.\n</think>\n<answer>\n\\boxed{7}\n</answer>", None
+            toks = TOK.encode(out, add_special_tokens=False)
+            return GenOut(toks, [-0.5] * len(toks), out, "stop", stop)
+
+    worker = GenWorker(cfg, worker_id="t", engine=ByQuestion())
+
+    async def go():
+        try:
+            return await worker.evaluate(problems, samples=2, ks=[1, 2], concurrency=2)
+        finally:
+            await worker.executor.aclose()
+    res = asyncio.run(go())
+    assert [(r["id"], r["n"], r["correct"]) for r in res["per_problem"]] == [
+        (problems[0].id, 2, 2), (problems[1].id, 2, 1), (problems[2].id, 2, 0)]
+    assert res["n_samples"] == 6 and res["accuracy"] == pytest.approx(3 / 6)
+    assert res["pass_at_k"] == {"1": pytest.approx(0.5), "2": pytest.approx(2 / 3)}
+    assert res["tool_calls_per_answer"] == pytest.approx(2 / 6) and res["tool_error_rate"] == 0.0
+    assert res["policy_version"] == 0 and res["aborted_samples"] == 0
+    assert worker.stats.samples == 0 and worker.stats.teacher_traces == 0 and worker.level == 1

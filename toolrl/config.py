@@ -235,8 +235,23 @@ class LearnerConfig(Section):
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     checkpoint_dir: str = "runs/checkpoints"
     batch_timeout_s: float = Field(600.0, gt=0)
-    eval_every: int = Field(0, ge=0)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class EvalConfig(Section):
+    """Held-out evaluation during a run. The learner asks a live gen worker (`POST /evaluate`) to run
+    the problems through its rollout engine with the weights it holds, and logs the result."""
+
+    # evaluate.py's task syntax: arithmetic[:LEVEL or LO-HI], code:TASKS, gsm8k:PATH, math:PATH, jsonl:PATH
+    task: str = "arithmetic"
+    n_problems: int = Field(64, ge=1)
+    samples: int = Field(1, ge=1)  # per problem; pass@k for every k in ks up to this
+    ks: list[int] = Field(default_factory=lambda: [1])
+    seed: int | None = None  # problem seed; default data.eval_seed (code tasks: data.seed's held-out split)
+    every: int = Field(0, ge=0)  # the learner evaluates every M steps (0: never)
+    before_after: bool = False  # ... and before the first step and after the last (summary.json)
+    concurrency: int = Field(16, ge=1)  # problems in flight on the worker
+    timeout_s: float = Field(1800.0, gt=0)
 
 
 class LoggingConfig(Section):
@@ -259,12 +274,18 @@ class Config(Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
         if self.data.level > self.data.max_level:
             raise ValueError(f"data.level ({self.data.level}) is above data.max_level ({self.data.max_level})")
+        if self.eval.every % self.learner.sync_every:
+            raise ValueError(f"eval.every ({self.eval.every}) must be a multiple of learner.sync_every "
+                             f"({self.learner.sync_every}): only synced policies are on the workers")
+        if any(not 1 <= k <= self.eval.samples for k in self.eval.ks):
+            raise ValueError(f"eval.ks {self.eval.ks}: each k must lie in [1, eval.samples={self.eval.samples}]")
         return self
 
 

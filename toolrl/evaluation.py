@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from .config import Config
-from .data import DataError, Problem, arithmetic_problems, load_gsm8k, load_jsonl, load_math
+from .data import DataError, Problem, arithmetic_problem, load_gsm8k, load_jsonl, load_math
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -45,11 +45,20 @@ def latest_export(runs_dir: str = "runs") -> str | None:
 
 
 def load_task(task: str, n: int, seed: int, level: int, train_fraction: float = 0.8) -> list[Problem]:
-    """`arithmetic[:LEVEL]`, `gsm8k:PATH`, `math:PATH`, `jsonl:PATH` (question/answer fields), or
-    `code:TASKS` (the held-out split of code tasks, e.g. code:humaneval; seed = the training data.seed)."""
+    """`arithmetic[:LEVEL]` or `arithmetic:LO-HI` (the levels in turn), `gsm8k:PATH`, `math:PATH`,
+    `jsonl:PATH` (question/answer fields), or `code:TASKS` (the held-out split of code tasks, e.g.
+    code:humaneval; seed = the training data.seed)."""
     kind, _, arg = task.partition(":")
     if kind == "arithmetic":
-        return arithmetic_problems(n, seed=seed, level=int(arg) if arg else level)
+        lo, _, hi = arg.partition("-")
+        try:
+            levels = range(int(lo), int(hi or lo) + 1) if lo else [level]
+        except ValueError:
+            raise DataError(f"task {task!r}: use arithmetic, arithmetic:LEVEL or arithmetic:LO-HI") from None
+        if not levels:
+            raise DataError(f"task {task!r}: empty level range")
+        # problem i of level L is the same whatever n is, so a smaller eval is a prefix of a larger one
+        return [arithmetic_problem(seed, levels[i % len(levels)], i // len(levels)) for i in range(n)]
     if kind == "code":  # the held-out side of data.source=code's seeded split
         from .codetasks import load_code_task, split
 
@@ -61,6 +70,20 @@ def load_task(task: str, n: int, seed: int, level: int, train_fraction: float = 
     if kind not in loaders:
         raise DataError(f"unknown task {task!r}; use arithmetic[:LEVEL], gsm8k:PATH, math:PATH or jsonl:PATH")
     return loaders[kind](arg)[:n]
+
+
+def task_seed(cfg: Config, task: str, seed: int | None = None) -> int:
+    """Generated tasks draw held-out problems from data.eval_seed; code tasks take the held-out side
+    of the split the training run made with data.seed."""
+    if seed is not None:
+        return seed
+    return cfg.data.seed if task.startswith("code") else cfg.data.eval_seed
+
+
+def eval_problems(cfg: Config) -> list[Problem]:
+    """The problems of the in-run evaluation (the `eval` section)."""
+    e = cfg.eval
+    return load_task(e.task, e.n_problems, task_seed(cfg, e.task, e.seed), cfg.data.level, cfg.data.train_fraction)
 
 
 @contextlib.contextmanager
@@ -152,42 +175,56 @@ def summarize(problems: list[Problem], groups: dict[str, list], ks: list[int]) -
     }
 
 
-def eval_config(cfg: Config, samples_per_problem: int) -> Config:
-    """The policy alone, `samples_per_problem` per group: no teacher traces in an evaluation (they
-    are correct by construction and would count as the model's answers)."""
-    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"group_size": samples_per_problem}),
-                                  "teacher": cfg.teacher.model_copy(update={"traces_per_group": 0})})
-
-
-def problem_of(group_id: str) -> str:
-    """The problem id in a group id `worker:problem_id:n`; problem ids may hold colons."""
-    return group_id.split(":", 1)[1].rsplit(":", 1)[0]
-
-
 async def run_eval(cfg: Config, problems: list[Problem], samples_per_problem: int, ks: list[int],
                    progress: bool = True) -> dict:
+    """evaluate.py: a private engine for the model in cfg, then GenWorker.evaluate (the same code a
+    live gen worker runs for the learner's in-run evaluations)."""
     from tqdm import tqdm
 
     from .genworker import GenWorker
 
-    cfg = eval_config(cfg, samples_per_problem)
     worker = GenWorker(cfg, worker_id="eval")
-    worker.problems = iter(problems)
-    groups: dict[str, list] = {}
-    t0 = time.time()
+    correct = [0.0, 0]
     try:
         with tqdm(total=len(problems), desc="eval", unit="problem", disable=not progress) as bar:
-            async for group in worker.produce(n_groups=len(problems)):
-                groups[problem_of(group[0].group_id)] = [s for s in group if s.source == "policy"]
+            def on_problem(_pid, group):
+                correct[0] += sum(s.rewards.get("correct", 0.0) for s in group)
+                correct[1] += len(group)
                 bar.update(1)
-                done = [s for g in groups.values() for s in g]
-                bar.set_postfix(acc=f"{statistics.fmean(s.rewards.get('correct', 0.0) for s in done):.3f}")
+                bar.set_postfix(acc=f"{correct[0] / max(1, correct[1]):.3f}")
+
+            return await worker.evaluate(problems, samples_per_problem, ks, cfg.eval.concurrency, on_problem)
     finally:
         await worker.executor.aclose()
         worker.close()
-    out = summarize(problems, groups, ks)
-    out["wall_s"] = time.time() - t0
-    return out
+
+
+def evaluate_on_worker(cfg: Config, workers: list[dict], version: int, pushed: dict | None = None) -> dict:
+    """The learner's in-run evaluation: a live worker holding policy `version` (as the registry, or
+    the learner's own record of what it pushed, says) runs the `eval` section's problems with its
+    engine. Raises RuntimeError when no worker holds it or the request fails."""
+    from .service import auth_headers
+
+    pushed = pushed or {}
+    holding = [w for w in workers
+               if int(w.get("policy_version", -1)) == version or pushed.get((w["id"], w["url"])) == version]
+    if not holding:
+        raise RuntimeError(f"no live worker holds policy version {version} "
+                           f"(workers: {[(w['id'], w.get('policy_version')) for w in workers]})")
+    w, e = holding[0], cfg.eval
+    body = {"task": e.task, "n_problems": e.n_problems, "samples": e.samples, "ks": e.ks, "seed": e.seed,
+            "concurrency": e.concurrency}
+    try:
+        r = httpx.post(f"{w['url']}/evaluate", json=body, headers=auth_headers(cfg.rollout.token), timeout=e.timeout_s)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"evaluation on worker {w['id']} failed: {type(exc).__name__}: {exc}") from None
+    if r.status_code != 200:
+        raise RuntimeError(f"evaluation on worker {w['id']} failed: HTTP {r.status_code}: {r.text[:300]}")
+    res = r.json()
+    if res.get("policy_version") != version:
+        raise RuntimeError(f"worker {w['id']} evaluated version {res.get('policy_version')}, not {version}")
+    res["worker_id"] = w["id"]
+    return res
 
 
 def evaluate(cfg: Config, problems: list[Problem], samples_per_problem: int, ks: list[int],

@@ -209,6 +209,21 @@ class GenWorker:
 
     def _score_group(self, problem: Problem, rolls: list[Rollout], gid: str, version: int,
                      tests: list | None = None) -> list[Sample]:
+        samples = self._score(problem, rolls, gid, version, tests)
+        st = self.stats
+        st.groups += 1
+        st.samples += len(samples)
+        st.tokens += sum(r.generated for r in rolls)
+        st.tool_calls += sum(len(r.tool_calls) for r in rolls)
+        st.tool_errors += sum(1 for r in rolls for t in r.tool_calls if t.status != "ok")
+        st.reward_sum += sum(s.reward for s in samples)
+        st.correct_sum += sum(s.rewards.get("correct", 0.0) for s in samples)
+        if zero_variance([s.reward for s in samples]):
+            st.zero_std_groups += 1
+        return samples
+
+    def _score(self, problem: Problem, rolls: list[Rollout], gid: str, version: int,
+               tests: list | None = None) -> list[Sample]:
         samples = []
         for i, r in enumerate(rolls):
             text, final = r.texts(self.tokenizer, self.cfg.prompt.prefill)
@@ -221,17 +236,53 @@ class GenWorker:
         advs = group_advantages([s.reward for s in samples], scale=self.cfg.grpo.scale_rewards)
         for s, a in zip(samples, advs):
             s.advantage = a
-        st = self.stats
-        st.groups += 1
-        st.samples += len(samples)
-        st.tokens += sum(r.generated for r in rolls)
-        st.tool_calls += sum(len(r.tool_calls) for r in rolls)
-        st.tool_errors += sum(1 for r in rolls for t in r.tool_calls if t.status != "ok")
-        st.reward_sum += sum(s.reward for s in samples)
-        st.correct_sum += sum(s.rewards.get("correct", 0.0) for s in samples)
-        if zero_variance([s.reward for s in samples]):
-            st.zero_std_groups += 1
         return samples
+
+    # -- held-out evaluation ------------------------------------------------------------------------
+    async def evaluate(self, problems: list[Problem], samples: int, ks: list[int], concurrency: int = 16,
+                       on_problem=None) -> dict:
+        """`samples` rollouts of each problem with the weights this worker holds: the policy alone
+        (no teacher traces), scored as in training, but counted in no training statistic and with no
+        effect on the curriculum. A weight update drains these rollouts like any others."""
+        from .evaluation import summarize
+
+        sem = asyncio.Semaphore(concurrency)
+        version = self.version
+        groups: dict[str, list[Sample]] = {}
+        aborted = unscored = 0
+        t0 = time.time()
+
+        async def one(problem: Problem) -> None:
+            nonlocal aborted, unscored
+            async with sem:
+                await self._open.wait()
+                self._inflight += 1
+                self._idle.clear()
+                gid = f"{self.worker_id}:eval:{problem.id}:{next(self._counter)}"
+                try:
+                    prompt = self.prompt_ids(problem.question)
+                    rolls = await asyncio.gather(*[
+                        run_rollout(self.engine, self.tool, self.tokenizer, prompt, self.cfg.rollout, f"{gid}.{i}",
+                                    self.pending_code) for i in range(samples)])
+                finally:
+                    self._inflight -= 1
+                    if self._inflight == 0:
+                        self._idle.set()
+                kept = [r for r in rolls if r.stop_reason != "abort"]
+                aborted += len(rolls) - len(kept)
+                tests = await self._run_tests(problem, kept) if kept else None
+                if tests is False:
+                    unscored += 1
+                    return
+                groups[problem.id] = await asyncio.to_thread(self._score, problem, kept, gid, self.version, tests)
+                if on_problem is not None:
+                    on_problem(problem.id, groups[problem.id])
+
+        await asyncio.gather(*[one(p) for p in problems])
+        out = summarize(problems, groups, ks)
+        out.update(policy_version=version, policy_version_end=self.version, aborted_samples=aborted,
+                   unscored_problems=unscored, wall_s=time.time() - t0)
+        return out
 
     async def produce(self, n_groups: int | None = None):
         """Yield scored groups, keeping `prompts_per_step` groups in flight."""

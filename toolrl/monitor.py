@@ -72,6 +72,23 @@ class Monitor:
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
 
+    def log_eval(self, step: int, tag: str, res: dict) -> None:
+        """A held-out evaluation: one line of logs/eval.jsonl, and eval/* scalars."""
+        if self.rank != 0:
+            return
+        with open(self.dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "tag": tag, **res}) + "\n")
+        keys = ("accuracy", "format_rate", "tool_calls_per_answer", "tool_error_rate", "code_executed_rate",
+                "mean_completion_tokens", "wall_s")
+        clean = {f"eval/{k}": float(res[k]) for k in keys if isinstance(res.get(k), (int, float))}
+        clean.update({f"eval/pass@{k}": float(v) for k, v in res.get("pass_at_k", {}).items()})
+        if self.tb is not None:
+            for k, v in clean.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()

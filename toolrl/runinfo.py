@@ -27,6 +27,31 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def read_evals(run_dir: Path) -> list[dict]:
+    path = run_dir / "logs" / "eval.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def heldout(evals: list[dict]) -> dict:
+    """Before/after figures of the learner's held-out evaluations (eval.before_after)."""
+    out = {}
+    for when, rows in (("before", [e for e in evals if e["tag"] == "before"]),
+                       ("after", [e for e in evals if e["tag"] == "after"])):
+        if rows:
+            e = rows[-1]
+            out.update({f"heldout_accuracy_{when}": e["accuracy"],
+                        f"heldout_tool_calls_per_answer_{when}": e["tool_calls_per_answer"],
+                        f"heldout_code_executed_rate_{when}": e.get("code_executed_rate"),
+                        f"heldout_format_rate_{when}": e["format_rate"],
+                        f"heldout_policy_version_{when}": e["policy_version"]})
+    if evals:
+        out["heldout_problems"] = evals[-1]["n_problems"]
+        out["heldout_samples"] = evals[-1]["n_samples"]
+    return out
+
+
 def probe_workers(cfg, workers: list[dict], export_dir: Path) -> list[dict]:
     """Each worker's probe logprobs vs the exported policy (and vs the base model)."""
     import torch
@@ -60,7 +85,7 @@ def probe_workers(cfg, workers: list[dict], export_dir: Path) -> list[dict]:
     return out
 
 
-def plot(metrics: list[dict], path: Path) -> None:
+def plot(metrics: list[dict], path: Path, evals: list[dict] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,7 +100,11 @@ def plot(metrics: list[dict], path: Path) -> None:
         ys = [m.get(key) for m in metrics]
         pts = [(x, y) for x, y in zip(steps, ys) if y is not None]
         if pts:
-            ax.plot(*zip(*pts), marker="o", ms=3)
+            ax.plot(*zip(*pts), marker="o", ms=3, label="training batches")
+        if key == "accuracy" and evals:
+            ax.plot([e["step"] for e in evals], [e["accuracy"] for e in evals], marker="s", ms=5,
+                    label=f"held-out ({evals[-1]['n_samples']} samples)")
+            ax.legend(fontsize=8)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -112,9 +141,11 @@ def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
         "accuracy_last": last.get("accuracy"),
         "wall_s": wall_s,
     }
+    evals = read_evals(run_dir)
+    summary.update(heldout(evals))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if metrics:
-        plot(metrics, run_dir / "curves.png")
+        plot(metrics, run_dir / "curves.png", evals)
     return summary
 
 
@@ -128,6 +159,13 @@ def main() -> None:
     s = summarize(cfg, Path(args.run_dir), args.wall_s)
     print(f"steps {s['steps']}  policy v{s['policy_version']}  samples {s['samples']}  tool calls {s['tool_calls']}  "
           f"reward {s['reward_first']} -> {s['reward_last']}  wall {s['wall_s']:.0f}s")
+    if "heldout_accuracy_after" in s:
+        before = s.get("heldout_accuracy_before")
+        print(f"held-out accuracy ({s['heldout_samples']} samples): "
+              + (f"{before:.3f} before -> " if before is not None else "")
+              + f"{s['heldout_accuracy_after']:.3f} after;  tool calls per answer "
+              + (f"{s['heldout_tool_calls_per_answer_before']:.2f} -> " if before is not None else "")
+              + f"{s['heldout_tool_calls_per_answer_after']:.2f}")
     for w in s["workers"]:
         print(f"  worker {w['id']}: v{w['policy_version']}  "
               + ("probe error " + w["probe_error"] if "probe_error" in w else

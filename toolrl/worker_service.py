@@ -23,6 +23,17 @@ class ProbeRequest(BaseModel):
     seed: int = 0
 
 
+class EvalRequest(BaseModel):
+    """`POST /evaluate`: held-out problems in evaluate.py's task syntax (the `eval` config section)."""
+    model_config = ConfigDict(extra="forbid")
+    task: str = "arithmetic"
+    n_problems: int = Field(64, ge=1, le=10_000)
+    samples: int = Field(1, ge=1, le=100)
+    ks: list[int] = Field(default_factory=lambda: [1])
+    seed: int | None = None
+    concurrency: int = Field(16, ge=1, le=1024)
+
+
 def build_app(worker: GenWorker) -> FastAPI:
     app = FastAPI(title="toolrl gen worker")
     auth = Depends(bearer_auth(worker.cfg.rollout.token))
@@ -47,6 +58,27 @@ def build_app(worker: GenWorker) -> FastAPI:
                                            stop_at_marker=False, seed=req.seed)
         return {"token_ids": out.token_ids, "logprobs": out.logprobs, "policy_version": worker.version,
                 "temperature": worker.cfg.rollout.temperature}
+
+    @app.post("/evaluate", dependencies=[auth])
+    async def evaluate(req: EvalRequest):
+        """Held-out evaluation with the weights loaded now, through this worker's engine (alongside
+        its training rollouts). Answers evaluate.py's JSON, plus the policy version evaluated."""
+        from .data import DataError
+        from .evaluation import load_task, task_seed
+
+        if any(not 1 <= k <= req.samples for k in req.ks):
+            raise HTTPException(status_code=400, detail=f"ks {req.ks}: each k must lie in [1, samples={req.samples}]")
+        c = worker.cfg
+        try:
+            problems = load_task(req.task, req.n_problems, task_seed(c, req.task, req.seed), c.data.level,
+                                 c.data.train_fraction)
+        except (DataError, FileNotFoundError, ValueError) as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from None
+        log.info("evaluating policy version %d on %d problems of %s", worker.version, len(problems), req.task)
+        res = await worker.evaluate(problems, req.samples, req.ks, req.concurrency)
+        log.info("evaluation of version %d: accuracy %.3f (%.0fs)", res["policy_version"], res["accuracy"],
+                 res["wall_s"])
+        return res
 
     @app.post("/update_weights", dependencies=[auth])
     async def update_weights(request: Request):
