@@ -5,6 +5,8 @@
 1. In one DeepSpeed engine, alternating: toolrl's GRPO `train_step` (chunked fp32 logprobs at the
    sampling temperature, entropy, clip-higher loss, micro-batching, the step) vs a plain
    `model(ids, labels=ids)` forward + backward + step on the same tokens. Ratio of tokens/s.
+   The batch is GRPO groups sharing a prompt; the GRPO step runs each prompt once
+   (learner.share_prompts) and, for comparison, once per row as the plain step does.
 2. A real gen worker (vLLM, idle) on this machine: a full HTTP weight sync (learner-side
    `push_weights`: bucketing, safetensors, transfer, assembly, in-place reload) vs the worker's
    in-place reload alone (the `reload_s` it reports). Ratio of times.
@@ -28,19 +30,22 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from procs import Proc, free_port  # noqa: E402  (tests/procs.py: real services as subprocesses)
 
 
-def make_batch(n: int, prompt_len: int, comp_len: int, seed: int = 0):
+def make_batch(n: int, prompt_len: int, comp_len: int, group: int = 4, seed: int = 0):
+    """n samples in GRPO groups of `group` that share their prompt, as a gen worker uploads them."""
     from toolrl.protocol import Sample
 
     rng = random.Random(seed)
     out = []
     for i in range(n):
+        if i % group == 0:
+            prompt = [rng.randint(0, 40000) for _ in range(prompt_len)]
         mask = [1] * comp_len
         for j in range(comp_len // 3, comp_len // 3 + 16):  # a tool-output span
             mask[j] = 0
-        out.append(Sample(prompt_ids=[rng.randint(0, 40000) for _ in range(prompt_len)],
+        out.append(Sample(prompt_ids=prompt,
                           completion_ids=[rng.randint(0, 40000) for _ in range(comp_len)], loss_mask=mask,
                           logprobs=[-2.0 if m else None for m in mask], rewards={"correct": float(i % 2)},
-                          reward=float(i % 2), advantage=1.0 if i % 2 else -1.0, group_id=f"g{i // 4}"))
+                          reward=float(i % 2), advantage=1.0 if i % 2 else -1.0, group_id=f"g{i // group}"))
     return out
 
 
@@ -57,7 +62,7 @@ def bench_step(args) -> dict:
     cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}", f"learner.dtype={args.dtype}",
                                                 "learner.micro_batch_tokens=4096", "logging.wandb_mode=disabled"])
     tr = Trainer(cfg, resolve_model(args.model))
-    batch = make_batch(args.samples, args.prompt_len, args.completion_len)
+    batch = make_batch(args.samples, args.prompt_len, args.completion_len, args.group)
     tokens = sum(s.num_tokens for s in batch)
     engine = tr.engine
 
@@ -72,20 +77,27 @@ def bench_step(args) -> dict:
             engine.backward(out.loss, scale_wrt_gas=False)
         engine.step()
 
-    plain_step()
-    tr.train_step(batch)  # warm-up both
-    t_plain, t_grpo = [], []
-    for _ in range(args.repeats):
-        t = time.perf_counter()
-        plain_step()
-        t_plain.append(time.perf_counter() - t)
-        t = time.perf_counter()
+    def grpo_step(share: bool):
+        tr.share_prompts = share
         tr.train_step(batch)
-        t_grpo.append(time.perf_counter() - t)
-        print(f"  plain {t_plain[-1]:.2f}s  grpo {t_grpo[-1]:.2f}s", flush=True)
+
+    plain_step()
+    grpo_step(True)  # warm-up all three
+    grpo_step(False)
+    t_plain, t_grpo, t_packed = [], [], []
+    for _ in range(args.repeats):
+        for times, fn in ((t_plain, plain_step), (t_grpo, lambda: grpo_step(True)),
+                          (t_packed, lambda: grpo_step(False))):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        print(f"  plain {t_plain[-1]:.2f}s  grpo {t_grpo[-1]:.2f}s  grpo, every row its own prompt "
+              f"{t_packed[-1]:.2f}s", flush=True)
     res = {"step_tokens": tokens, "plain_tokens_per_s": round(tokens / min(t_plain), 1),
            "grpo_tokens_per_s": round(tokens / min(t_grpo), 1),
-           "ratio_vs_fwd_bwd": round(min(t_plain) / min(t_grpo), 3), "dtype": args.dtype,
+           "ratio_vs_fwd_bwd": round(min(t_plain) / min(t_grpo), 3),
+           "ratio_unshared_vs_fwd_bwd": round(min(t_plain) / min(t_packed), 3),
+           "prompt_sharing_speedup": round(min(t_packed) / min(t_grpo), 3), "dtype": args.dtype,
            "threads": torch.get_num_threads()}
     named = tr.export_state(torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32)
     return res, named
@@ -129,6 +141,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4, help="samples per prompt (a GRPO group)")
     ap.add_argument("--prompt-len", type=int, default=192)
     ap.add_argument("--completion-len", type=int, default=192)
     ap.add_argument("--repeats", type=int, default=3)

@@ -7,6 +7,7 @@ from toolrl.logprobs import (
     logprobs_from_hidden,
     pack_samples,
     sample_logprobs,
+    shared_prompt_logprobs,
     token_logprobs,
 )
 from toolrl.models import load_hf_model
@@ -129,3 +130,35 @@ def test_bad_inputs_are_refused(model):
             token_logprobs(model, torch.zeros(1, 3, dtype=torch.long))
     finally:
         model.config.final_logit_softcapping = None
+
+
+def test_shared_prompts_give_the_packed_values_and_gradients(model):
+    """Each distinct prompt computed once, its KV cache repeated for its completions: the same
+    logprobs, entropies and parameter gradients as every row running its own prompt."""
+    a, b = sample(13, 5, 1), sample(7, 4, 2)
+    def on(prompt, completion):
+        return Sample(prompt_ids=prompt, completion_ids=completion, loss_mask=[1] * len(completion),
+                      logprobs=[-1.0] * len(completion), group_id="g")
+
+    rows = [a, on(b.prompt_ids, b.completion_ids[:1]), on(a.prompt_ids, sample(1, 9, 3).completion_ids),
+            b, sample(3, 6, 4), on(a.prompt_ids, [])]
+    packed = pack_samples(rows)
+    mask = packed.completion_mask
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(5))
+    params = list(model.parameters())
+    out = {}
+    for name, fn in (("packed", lambda: completion_logprobs(model, packed, temperature=0.8, chunk_rows=4,
+                                                            with_entropy=True)),
+                     ("shared", lambda: shared_prompt_logprobs(model, rows, temperature=0.8, chunk_rows=4,
+                                                               with_entropy=True))):
+        lp, ent = fn()
+        grads = torch.autograd.grad((lp * weights * mask).sum() + (ent * mask).sum(), params)
+        out[name] = (lp.detach(), ent.detach(), grads)
+    (lp1, e1, g1), (lp2, e2, g2) = out["packed"], out["shared"]
+    assert lp2.shape == lp1.shape and lp1[mask].std() > 0.5
+    torch.testing.assert_close(lp2[mask], lp1[mask], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(e2[mask], e1[mask], atol=1e-4, rtol=1e-4)
+    assert (lp2[~mask] == 0).all()
+    for x, y in zip(g1, g2):
+        torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-3)
+    assert max(x.abs().max() for x in g1) > 1e-2  # gradients that could differ

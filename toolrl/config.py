@@ -226,6 +226,9 @@ class LearnerConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 2
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     gradient_checkpointing: bool = False
+    # compute each distinct prompt once per micro-batch and share its KV cache across the group's
+    # completions (same values and gradients; off when gradient_checkpointing is on)
+    share_prompts: bool = True
     logprob_chunk: int = Field(1024, ge=16)
     sync_every: int = Field(1, ge=1)
     sync_transport: Literal["http", "nccl"] = "http"

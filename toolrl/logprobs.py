@@ -24,6 +24,10 @@ with_entropy=False) -> float32 [B, T-1]`
     `packed.completion_mask`). The head runs only at completion positions, so prompt tokens cost
     a backbone pass and nothing more.
 
+`shared_prompt_logprobs(model, samples, ...) -> float32 [B, Cmax]`
+    the same values, with each distinct prompt computed once (its KV cache shared by the
+    completions of a GRPO group). The learner's default.
+
 `sample_logprobs(model, samples, ...) -> list[list[float]]`: the same, per Sample, no grad.
 
 `logprobs_from_hidden(hidden [N, H], head, targets [N], ...) -> float32 [N]`: the chunked core.
@@ -199,6 +203,67 @@ def completion_logprobs(model, packed: PackedBatch, *, temperature: float = 1.0,
         return full.masked_scatter(mask, values)
 
     return (scatter(out[0]), scatter(out[1])) if with_entropy else scatter(out)
+
+
+def shared_prompt_logprobs(model, samples: Sequence, *, temperature: float = 1.0, chunk_rows: int = 1024,
+                           with_entropy: bool = False, pad_id: int = 0):
+    """`completion_logprobs(model, pack_samples(samples))`, computing each distinct prompt once.
+
+    A GRPO group's samples share their prompt, which is often most of a sample's tokens (a few
+    hundred tokens of system prompt against a ~100-token answer). Each distinct prompt runs once as
+    a batch of one with a KV cache; the cache is repeated for the completions that share it, and
+    they run on top of it. Gradients flow through the cache into the prompt's pass, so the result
+    and its gradient equal the packed computation's (to float tolerance). Same output layout
+    [B, Cmax] as `completion_logprobs` on `pack_samples(samples)`.
+    """
+    _check_model(model)
+    backbone, head = model.get_decoder(), model.get_output_embeddings()
+    device = next(model.parameters()).device
+    groups: dict[tuple, list[int]] = {}
+    for i, smp in enumerate(samples):
+        if len(smp.prompt_ids) < 1:
+            raise ValueError("every sample needs at least one prompt token")
+        groups.setdefault(tuple(smp.prompt_ids), []).append(i)
+    B, C = len(samples), max(len(smp.completion_ids) for smp in samples)
+    hidden_rows, targets, where = [], [], []
+    for prompt, idxs in groups.items():
+        comps = [list(samples[i].completion_ids) for i in idxs]
+        idxs = [i for i, c in zip(idxs, comps) if c]
+        comps = [c for c in comps if c]
+        if not comps:
+            continue
+        out = backbone(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+        cache = out.past_key_values
+        if cache is None:
+            raise RuntimeError("the model returned no KV cache (gradient checkpointing disables it): "
+                               "use the packed path")
+        last = out.last_hidden_state[0, -1:]  # predicts every completion's first token
+        cg = max(len(c) for c in comps)
+        if cg > 1:
+            ids = torch.full((len(comps), cg - 1), pad_id, dtype=torch.long, device=device)
+            for j, c in enumerate(comps):
+                ids[j, :len(c) - 1] = torch.tensor(c[:-1], device=device)
+            cache.batch_repeat_interleave(len(comps))
+            # right padding needs no mask: causal attention never lets a real token see a later pad
+            h = backbone(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state
+        for j, (i, c) in enumerate(zip(idxs, comps)):
+            hidden_rows.append(last)
+            if len(c) > 1:
+                hidden_rows.append(h[j, :len(c) - 1])
+            targets.extend(c)
+            where.extend((i, t) for t in range(len(c)))
+    if not targets:
+        zeros = torch.zeros(B, C, device=device)
+        return (zeros, zeros.clone()) if with_entropy else zeros
+    out = logprobs_from_hidden(torch.cat(hidden_rows), head, torch.tensor(targets, device=device),
+                               temperature=temperature, chunk_rows=chunk_rows, with_entropy=with_entropy)
+    rows = torch.tensor([w[0] for w in where], device=device)
+    cols = torch.tensor([w[1] for w in where], device=device)
+
+    def place(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(B, C).index_put((rows, cols), values)
+
+    return (place(out[0]), place(out[1])) if with_entropy else place(out)
 
 
 @torch.no_grad()

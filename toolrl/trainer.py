@@ -1,7 +1,8 @@
 """The learner's DeepSpeed side: engine, GRPO step, guard rails, checkpoints and exports.
 
 One `train_step(samples)`:
-  1. split the batch into micro-batches by a padded-token budget (similar lengths together);
+  1. split the batch into micro-batches by a token budget (a prompt's samples together: each
+     distinct prompt is computed once, its KV cache shared by its completions);
   2. per micro-batch: policy logprobs at the sampling temperature (chunked fp32 log-softmax,
      toolrl.logprobs), then GRPO + w_teacher * SFT(teacher traces) + w_self * SFT(best own
      successes), normalised by whole-batch counts so micro-batches add up to the batch loss;
@@ -23,21 +24,51 @@ import torch
 
 from .config import Config
 from .grpo_loss import BatchCounts, grpo_loss, sft_loss
-from .logprobs import completion_logprobs, pack_samples
+from .logprobs import completion_logprobs, pack_samples, shared_prompt_logprobs
 from .protocol import Sample
 
 
-def micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
-    """Greedy packing of length-sorted samples so rows * max_len stays within the budget."""
-    order = sorted(samples, key=lambda s: s.num_tokens)
-    out: list[list[Sample]] = []
-    cur: list[Sample] = []
-    for s in order:
-        longest = max([s.num_tokens] + [c.num_tokens for c in cur])
-        if cur and longest * (len(cur) + 1) > token_budget:
+def micro_batches(samples: list[Sample], token_budget: int, share_prompts: bool = False) -> list[list[Sample]]:
+    """Split a batch so each micro-batch's cost stays within the token budget.
+
+    Packed rows (share_prompts False) cost rows * longest row, so length-sorted samples are packed
+    greedily. With shared prompts a group of samples with one prompt costs the prompt once plus
+    rows * longest completion, so a prompt's samples stay together (split only when one group
+    alone is over the budget) and whole groups are packed greedily."""
+    if not share_prompts:
+        order = sorted(samples, key=lambda s: s.num_tokens)
+        out: list[list[Sample]] = []
+        cur: list[Sample] = []
+        for s in order:
+            longest = max([s.num_tokens] + [c.num_tokens for c in cur])
+            if cur and longest * (len(cur) + 1) > token_budget:
+                out.append(cur)
+                cur = []
+            cur.append(s)
+        if cur:
             out.append(cur)
-            cur = []
-        cur.append(s)
+        return out
+    by_prompt: dict[tuple, list[Sample]] = {}
+    for s in samples:
+        by_prompt.setdefault(tuple(s.prompt_ids), []).append(s)
+    chunks: list[tuple[int, list[Sample]]] = []  # (cost, samples of one prompt)
+    for prompt, group in by_prompt.items():
+        cur, longest = [], 0
+        for s in sorted(group, key=lambda s: len(s.completion_ids)):
+            c = max(longest, len(s.completion_ids))
+            if cur and len(prompt) + c * (len(cur) + 1) > token_budget:
+                chunks.append((len(prompt) + longest * len(cur), cur))
+                cur, c = [], len(s.completion_ids)
+            cur.append(s)
+            longest = c
+        chunks.append((len(prompt) + longest * len(cur), cur))
+    out, cur, used = [], [], 0
+    for cost, chunk in sorted(chunks, key=lambda c: c[0]):
+        if cur and used + cost > token_budget:
+            out.append(cur)
+            cur, used = [], 0
+        cur += chunk
+        used += cost
     if cur:
         out.append(cur)
     return out
@@ -109,6 +140,9 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         dtype = torch.bfloat16 if lc.dtype == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        # Each distinct prompt computed once (toolrl.logprobs.shared_prompt_logprobs) needs a KV
+        # cache, which gradient checkpointing turns off: then every row runs its own prompt.
+        self.share_prompts = lc.share_prompts and not lc.gradient_checkpointing
         if lc.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             model.config.use_cache = False
@@ -160,7 +194,7 @@ class Trainer:
         roles = {id(s): (s.source == "policy", s.source == "teacher", i in chosen) for i, s in enumerate(samples)}
         counts = [BatchCounts(sum(1 for s in samples if roles[id(s)][r]),
                               sum(sum(s.loss_mask) for s in samples if roles[id(s)][r])) for r in range(3)]
-        mbs = micro_batches(samples, cfg.learner.micro_batch_tokens)
+        mbs = micro_batches(samples, cfg.learner.micro_batch_tokens, self.share_prompts)
         sums: dict[str, float] = defaultdict(float)
         sums["ratio_max"], sums["ratio_min"] = -math.inf, math.inf
         skipped_micro = 0
@@ -194,8 +228,12 @@ class Trainer:
         g, lc = self.cfg.grpo, self.cfg.learner
         device = next(self.module.parameters()).device
         packed = pack_samples(mb, pad_id=self.pad_id, device=device)
-        logp, entropy = completion_logprobs(self.module, packed, temperature=self.cfg.rollout.temperature,
-                                            chunk_rows=lc.logprob_chunk, with_entropy=True)
+        if self.share_prompts:
+            logp, entropy = shared_prompt_logprobs(self.module, mb, temperature=self.cfg.rollout.temperature,
+                                                   chunk_rows=lc.logprob_chunk, with_entropy=True, pad_id=self.pad_id)
+        else:
+            logp, entropy = completion_logprobs(self.module, packed, temperature=self.cfg.rollout.temperature,
+                                                chunk_rows=lc.logprob_chunk, with_entropy=True)
         B, C = logp.shape
         role = torch.tensor([roles[id(s)] for s in mb], dtype=torch.float32, device=device)
         loss_mask = packed.loss_mask.to(device)
