@@ -129,8 +129,10 @@ class GenWorker:
         self._counter = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-        from .weights import WeightAssembler
+        from .weights import WeightAssembler, remove_stale_weight_dirs
 
+        for d in remove_stale_weight_dirs(shm):
+            log.info("removed %s, left by a worker that is gone", d)
         self.assembler = WeightAssembler(shm / f"toolrl-weights-{self.worker_id}-{os.getpid()}")
 
     # -- prompts -------------------------------------------------------------------------------
@@ -354,6 +356,7 @@ class GenWorker:
 
     def close(self) -> None:
         self.engine.shutdown()
+        self.assembler.close()
 
 
 async def rollout_only(worker: GenWorker, num_prompts: int, out_path: str) -> dict:

@@ -116,6 +116,27 @@ def clear_stale_op_locks(max_age_s: float = 900.0) -> list[Path]:
     return removed
 
 
+def clear_stale_shm_buffers(shm: str | Path = "/dev/shm") -> list[Path]:
+    """Remove DeepSpeed CPU all-reduce buffers (`deepspeed_allreduce_buffer_*`, 67 MB each, in RAM)
+    that no live process maps. DeepSpeed never unlinks them, so every learner run leaves one."""
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split()[-1] for line in maps.read_text().splitlines()
+                          if "deepspeed_allreduce_buffer" in line)
+        except OSError:
+            pass
+    removed = []
+    for f in Path(shm).glob("deepspeed_allreduce_buffer_*"):
+        if str(f) not in mapped:
+            try:
+                f.unlink()
+                removed.append(f)
+            except OSError:
+                pass
+    return removed
+
+
 def build_cpu_ops() -> None:
     """Compile DeepSpeed's CPU communication op now (`make install`), so no run or test pays minutes for it."""
     from deepspeed.accelerator import get_accelerator
@@ -167,6 +188,10 @@ class Trainer:
         }
         for lock in clear_stale_op_locks():
             print(f"removed a stale DeepSpeed build lock: {lock}", flush=True)
+        if self.rank == 0:
+            gone = clear_stale_shm_buffers()
+            if gone:
+                print(f"removed {len(gone)} DeepSpeed all-reduce buffers left in /dev/shm by earlier runs", flush=True)
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         self.step = 0

@@ -30,7 +30,37 @@ class BucketOrderError(ValueError):
     pass
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_weight_dirs(parent: str | Path, prefix: str = "toolrl-weights-") -> list[Path]:
+    """Remove assembly directories (`{prefix}{worker}-{pid}`) whose process is gone.
+
+    They live in /dev/shm, which is RAM: a worker killed with SIGKILL leaves its last full set of
+    weights behind (0.6 GB for SmolLM2 in fp32), and a dozen such runs were enough to make the
+    kernel OOM-kill the learner. Every worker sweeps them at start."""
+    import shutil
+
+    removed = []
+    for d in Path(parent).glob(f"{prefix}*"):
+        pid = d.name.rsplit("-", 1)[-1]
+        if d.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
 class WeightAssembler:
+    """Receives a version's buckets in order and writes them as one safetensors file in `out_dir`
+    (name it `...-{pid}` so `remove_stale_weight_dirs` can tell when its owner is gone)."""
+
     def __init__(self, out_dir: str | Path, max_bytes: int = 64 << 30):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -73,6 +103,13 @@ class WeightAssembler:
     @property
     def path(self) -> Path:
         return self.out_dir / "model.safetensors"
+
+    def close(self) -> None:
+        """Remove the directory and the weights in it (RAM, when it is in /dev/shm)."""
+        import shutil
+
+        self.tensors = {}
+        shutil.rmtree(self.out_dir, ignore_errors=True)
 
 
 def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int, *, token: str | None = None,
