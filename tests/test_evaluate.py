@@ -90,3 +90,24 @@ def test_bad_arguments_fail_clearly():
     p = subprocess.run([sys.executable, "evaluate.py", "--model", "tiny-random", "--task", "chess:x"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "unknown task" in p.stderr
+
+
+def test_summary_breaks_mixed_levels_down():
+    from toolrl.evaluation import summarize
+    from toolrl.protocol import Sample, ToolCall
+
+    problems = load_task("arithmetic:1-2", 4, seed=3, level=1)
+
+    def s(correct, fmt, call):
+        calls = [ToolCall(code="print(1)", status=call, output="1")] if call else []
+        return Sample(prompt_ids=[1], completion_ids=[2, 3], loss_mask=[1, 1], logprobs=[-1.0, -1.0],
+                      rewards={"correct": correct, "format": fmt}, group_id="g", tool_calls=calls)
+
+    groups = {problems[0].id: [s(1.0, 1.0, "ok")], problems[2].id: [s(0.0, 1.0, "error")],
+              problems[1].id: [s(0.0, 0.0, None)], problems[3].id: [s(0.0, 1.0, None)]}
+    out = summarize(problems, groups, [1])
+    assert out["accuracy"] == 0.25 and out["format_rate"] == 0.75
+    l1, l2 = out["by_level"]["1"], out["by_level"]["2"]
+    assert (l1["accuracy"], l1["code_written_rate"], l1["code_executed_rate"]) == (0.5, 1, 0.5)
+    assert l1["tool_error_rate"] == 0.5
+    assert (l2["accuracy"], l2["format_rate"], l2["code_written_rate"]) == (0.0, 0.5, 0.0)

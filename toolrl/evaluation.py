@@ -151,7 +151,6 @@ def summarize(problems: list[Problem], groups: dict[str, list], ks: list[int]) -
         answer = p.answer if len(p.answer) < 200 else p.answer[:200] + "…"  # code tasks: tests, cut
         per_problem.append({"id": p.id, "answer": answer, "n": len(g),
                             "correct": int(sum(s.rewards.get("correct", 0.0) >= 1.0 for s in g))})
-    calls = [t for s in samples for t in s.tool_calls]
     from .codetests import is_spec
 
     fmt = "code_format" if problems and all(is_spec(p.answer) for p in problems) else "format"
@@ -160,18 +159,30 @@ def summarize(problems: list[Problem], groups: dict[str, list], ks: list[int]) -
         vals = [pass_at_k(r["n"], r["correct"], k) for r in per_problem if r["n"] >= k]
         if vals:
             pak[str(k)] = statistics.fmean(vals)
+    out = {"n_problems": len(problems), "n_samples": n, **rates(samples, fmt), "pass_at_k": pak,
+           "per_problem": per_problem}
+    levels = sorted({p.level for p in problems if p.level is not None})
+    if len(levels) > 1:  # e.g. arithmetic:1-3: the same figures per curriculum level
+        out["by_level"] = {str(lv): {"n_samples": len(g), **rates(g, fmt)} for lv in levels
+                           for g in [[s for p in problems if p.level == lv for s in groups.get(p.id, [])]]}
+    return out
+
+
+def rates(samples: list, fmt: str = "format") -> dict:
+    """Accuracy, format, tool use and length over samples."""
+    n = len(samples)
+    if not n:
+        return {k: 0.0 for k in ("accuracy", "format_rate", "tool_calls_per_answer", "tool_error_rate",
+                                 "code_written_rate", "code_executed_rate", "mean_completion_tokens")}
+    calls = [t for s in samples for t in s.tool_calls]
     return {
-        "n_problems": len(problems), "n_samples": n,
-        "accuracy": statistics.fmean([s.rewards.get("correct", 0.0) for s in samples]) if n else 0.0,
-        "pass_at_k": pak,
-        "format_rate": statistics.fmean([s.rewards.get(fmt, 0.0) for s in samples]) if n else 0.0,
-        "tool_calls_per_answer": len(calls) / n if n else 0.0,
+        "accuracy": statistics.fmean([s.rewards.get("correct", 0.0) for s in samples]),
+        "format_rate": statistics.fmean([s.rewards.get(fmt, 0.0) for s in samples]),
+        "tool_calls_per_answer": len(calls) / n,
         "tool_error_rate": sum(t.status != "ok" for t in calls) / len(calls) if calls else 0.0,
-        "code_written_rate": statistics.fmean([bool(s.tool_calls) for s in samples]) if n else 0.0,
-        "code_executed_rate": statistics.fmean([any(t.status == "ok" for t in s.tool_calls) for s in samples])
-        if n else 0.0,
-        "mean_completion_tokens": statistics.fmean([len(s.completion_ids) for s in samples]) if n else 0.0,
-        "per_problem": per_problem,
+        "code_written_rate": statistics.fmean([bool(s.tool_calls) for s in samples]),
+        "code_executed_rate": statistics.fmean([any(t.status == "ok" for t in s.tool_calls) for s in samples]),
+        "mean_completion_tokens": statistics.fmean([len(s.completion_ids) for s in samples]),
     }
 
 
