@@ -175,6 +175,19 @@ def test_bad_weight_updates_are_refused(stack):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
+def test_bad_evaluate_requests_are_refused(stack):
+    """POST /evaluate answers a bad task, k or key with one clear 4xx and runs nothing."""
+    url = stack["worker"]
+    for body, code, words in (({"task": "arithmetic:x"}, 400, "arithmetic:LO-HI"),
+                              ({"task": "nosuch:thing"}, 400, "unknown task"),
+                              ({"samples": 1, "ks": [5]}, 400, "each k must lie in [1, samples=1]"),
+                              ({"n_problems": 0}, 422, "n_problems"),
+                              ({"task": "arithmetic", "bogus": 1}, 422, "bogus")):
+        r = httpx.post(f"{url}/evaluate", json=body, timeout=30)
+        assert r.status_code == code and words in r.text, (body, r.status_code, r.text)
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
 def test_rollout_only_writes_scored_jsonl(executor, tmp_path):
     out = tmp_path / "roll.jsonl"
     p = Proc("rollout_only", ["gen_worker.py", "--config", "configs/cpu_tiny.yaml", "--set",

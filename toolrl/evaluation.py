@@ -80,12 +80,6 @@ def task_seed(cfg: Config, task: str, seed: int | None = None) -> int:
     return cfg.data.seed if task.startswith("code") else cfg.data.eval_seed
 
 
-def eval_problems(cfg: Config) -> list[Problem]:
-    """The problems of the in-run evaluation (the `eval` section)."""
-    e = cfg.eval
-    return load_task(e.task, e.n_problems, task_seed(cfg, e.task, e.seed), cfg.data.level, cfg.data.train_fraction)
-
-
 @contextlib.contextmanager
 def executor_available(cfg: Config, log=print):
     """Use the configured executor; if nothing answers there, run a private one for the duration."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import random
 import json
@@ -142,21 +143,11 @@ class GenWorker:
     # -- one group ------------------------------------------------------------------------------
     async def rollout_group(self, problem: Problem) -> list[Sample] | None:
         """group_size rollouts of one problem, scored, with group advantages. None if aborted."""
-        await self._open.wait()
-        self._inflight += 1
-        self._idle.clear()
-        version = self.version
-        gid = f"{self.worker_id}:{problem.id}:{next(self._counter)}"
-        rids = [f"{gid}.{i}" for i in range(self.cfg.rollout.group_size)]  # also the executor session ids
-        try:
+        async with self._in_flight():
+            version = self.version
+            gid = f"{self.worker_id}:{problem.id}:{next(self._counter)}"
             prompt = self.prompt_ids(problem.question)
-            rolls: list[Rollout] = await asyncio.gather(
-                *[run_rollout(self.engine, self.tool, self.tokenizer, prompt, self.cfg.rollout, rid, self.pending_code)
-                  for rid in rids])
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
+            rolls = await self._rollouts(prompt, gid, self.cfg.rollout.group_size)
         if any(r.stop_reason == "abort" for r in rolls):
             self.stats.aborted_groups += 1
             return None
@@ -177,6 +168,24 @@ class GenWorker:
                 group.append(t)
                 self.stats.teacher_traces += 1
         return group
+
+    @contextlib.asynccontextmanager
+    async def _in_flight(self):
+        """Rollouts run inside this: held back while a weight update loads, drained before it loads."""
+        await self._open.wait()
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+
+    async def _rollouts(self, prompt: list[int], gid: str, n: int) -> list[Rollout]:
+        """n rollouts of one prompt; `{gid}.{i}` are the request ids and the executor session ids."""
+        return await asyncio.gather(*[run_rollout(self.engine, self.tool, self.tokenizer, prompt, self.cfg.rollout,
+                                                  f"{gid}.{i}", self.pending_code) for i in range(n)])
 
     def _curriculum(self, group: list[Sample]) -> None:
         """Arithmetic only: move to the next level when recent accuracy passes the threshold."""
@@ -257,19 +266,9 @@ class GenWorker:
         async def one(problem: Problem) -> None:
             nonlocal aborted, unscored
             async with sem:
-                await self._open.wait()
-                self._inflight += 1
-                self._idle.clear()
-                gid = f"{self.worker_id}:eval:{problem.id}:{next(self._counter)}"
-                try:
-                    prompt = self.prompt_ids(problem.question)
-                    rolls = await asyncio.gather(*[
-                        run_rollout(self.engine, self.tool, self.tokenizer, prompt, self.cfg.rollout, f"{gid}.{i}",
-                                    self.pending_code) for i in range(samples)])
-                finally:
-                    self._inflight -= 1
-                    if self._inflight == 0:
-                        self._idle.set()
+                async with self._in_flight():
+                    gid = f"{self.worker_id}:eval:{problem.id}:{next(self._counter)}"
+                    rolls = await self._rollouts(self.prompt_ids(problem.question), gid, samples)
                 kept = [r for r in rolls if r.stop_reason != "abort"]
                 aborted += len(rolls) - len(kept)
                 tests = await self._run_tests(problem, kept) if kept else None

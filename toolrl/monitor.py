@@ -65,12 +65,7 @@ class Monitor:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         with open(self.history, "a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
-        if self.tb is not None:
-            for k, v in clean.items():
-                self.tb.add_scalar(k, v, step)
-            self.tb.flush()
-        if self.wandb is not None:
-            self.wandb.log(clean, step=step)
+        self._scalars(step, clean)
 
     def log_eval(self, step: int, tag: str, res: dict) -> None:
         """A held-out evaluation: one line of logs/eval.jsonl, and eval/* scalars."""
@@ -82,12 +77,16 @@ class Monitor:
                 "mean_completion_tokens", "wall_s")
         clean = {f"eval/{k}": float(res[k]) for k in keys if isinstance(res.get(k), (int, float))}
         clean.update({f"eval/pass@{k}": float(v) for k, v in res.get("pass_at_k", {}).items()})
+        self._scalars(step, clean)
+
+    def _scalars(self, step: int, values: dict[str, float]) -> None:
+        """To TensorBoard and WandB, whichever are on."""
         if self.tb is not None:
-            for k, v in clean.items():
+            for k, v in values.items():
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
         if self.wandb is not None:
-            self.wandb.log(clean, step=step)
+            self.wandb.log(values, step=step)
 
     def close(self) -> None:
         if self.tb is not None:

@@ -20,15 +20,8 @@ from .service import auth_headers
 PROBE_TEXT = "Question: A box holds 12 rows of 7 eggs. How many eggs?\n"
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "logs" / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def read_evals(run_dir: Path) -> list[dict]:
-    path = run_dir / "logs" / "eval.jsonl"
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a run's jsonl log (logs/metrics.jsonl, logs/eval.jsonl); none if it is missing."""
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -114,7 +107,7 @@ def plot(metrics: list[dict], path: Path, evals: list[dict] = ()) -> None:
 
 
 def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
-    metrics = read_metrics(run_dir)
+    metrics = read_jsonl(run_dir / "logs" / "metrics.jsonl")
     workers: list[dict] = []
     try:
         from .refserver.client import RefServerClient
@@ -141,7 +134,7 @@ def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
         "accuracy_last": last.get("accuracy"),
         "wall_s": wall_s,
     }
-    evals = read_evals(run_dir)
+    evals = read_jsonl(run_dir / "logs" / "eval.jsonl")
     summary.update(heldout(evals))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if metrics:
