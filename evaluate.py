@@ -1,7 +1,7 @@
 """evaluate.py: accuracy, pass@k, format and tool use through the tool-interleaved rollout engine.
 
     python evaluate.py --model M --task T --n-problems N --samples K --out FILE.json
-        [--config CFG] [--set k=v ...] [--ks 1,5,10] [--temperature T] [--seed S]
+        [--config CFG] [--set k=v ...] [--ks 1,5,10] [--temperature T] [--seed S] [--samples-out F.jsonl]
 
 M: a built-in name (smollm2-135m-instruct), an HF id or path, or a run directory (its export).
 T: arithmetic[:LEVEL or LO-HI] (held-out seed data.eval_seed unless --seed), gsm8k:PATH, math:PATH, jsonl:PATH,
@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, help="sampling temperature (default rollout.temperature)")
     parser.add_argument("--seed", type=int, help="problem seed for generated tasks (default data.eval_seed)")
     parser.add_argument("--out", default="runs/eval.json")
+    parser.add_argument("--samples-out", help="also write every rollout (text, rewards) to this jsonl file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args()
     if not args.config:
@@ -84,7 +85,7 @@ def main() -> None:
         updates["rollout"] = cfg.rollout.model_copy(update={"temperature": args.temperature})
     cfg = cfg.model_copy(update=updates)
 
-    res = evaluate(cfg, problems, args.samples, ks, progress=not args.quiet)
+    res = evaluate(cfg, problems, args.samples, ks, progress=not args.quiet, samples_out=args.samples_out)
     res.update(model=args.model, task=args.task, samples_per_problem=args.samples,
                temperature=cfg.rollout.temperature, prompt=cfg.prompt.system)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

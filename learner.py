@@ -34,6 +34,11 @@ def main() -> None:
 
     import torch
 
+    if cfg.learner.cpu_cores and not torch.cuda.is_available():
+        os.sched_setaffinity(0, cfg.learner.cpu_cores)
+        torch.set_num_threads(len(cfg.learner.cpu_cores))
+        log.info("pinned to cores %s, %d torch threads", cfg.learner.cpu_cores, torch.get_num_threads())
+
     from toolrl.models import resolve_model
     from toolrl.monitor import Monitor, batch_stats
     from toolrl.protocol import sample_record

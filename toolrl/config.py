@@ -226,6 +226,9 @@ class LearnerConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 2
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     gradient_checkpointing: bool = False
+    # CPU only: pin the learner to these cores, one torch thread each. On a small machine shared with
+    # a vLLM worker, torch's threads on the engine's core stall every parallel region of the step.
+    cpu_cores: list[int] | None = None
     # compute each distinct prompt once per micro-batch and share its KV cache across the group's
     # completions (same values and gradients; off when gradient_checkpointing is on)
     share_prompts: bool = True

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import socket
 import statistics
@@ -181,25 +182,38 @@ def rates(samples: list, fmt: str = "format") -> dict:
 
 
 async def run_eval(cfg: Config, problems: list[Problem], samples_per_problem: int, ks: list[int],
-                   progress: bool = True) -> dict:
+                   progress: bool = True, samples_out: str | None = None) -> dict:
     """evaluate.py: a private engine for the model in cfg, then GenWorker.evaluate (the same code a
-    live gen worker runs for the learner's in-run evaluations)."""
+    live gen worker runs for the learner's in-run evaluations). `samples_out`: a jsonl file that
+    gets every rollout's text and scores, to read what the model actually wrote."""
     from tqdm import tqdm
 
     from .genworker import GenWorker
 
+    by_id = {p.id: p for p in problems}
     worker = GenWorker(cfg, worker_id="eval")
     correct = [0.0, 0]
+    dump = None
+    if samples_out:
+        Path(samples_out).parent.mkdir(parents=True, exist_ok=True)
+        dump = open(samples_out, "w")
     try:
         with tqdm(total=len(problems), desc="eval", unit="problem", disable=not progress) as bar:
-            def on_problem(_pid, group):
+            def on_problem(pid, group):
                 correct[0] += sum(s.rewards.get("correct", 0.0) for s in group)
                 correct[1] += len(group)
                 bar.update(1)
                 bar.set_postfix(acc=f"{correct[0] / max(1, correct[1]):.3f}")
+                for s in group if dump else ():
+                    p = by_id[pid]
+                    dump.write(json.dumps({"id": pid, "level": p.level, "question": p.question, "answer": p.answer,
+                                           "text": s.text, "rewards": s.rewards, "stop_reason": s.stop_reason,
+                                           "tool_calls": len(s.tool_calls)}) + "\n")
 
             return await worker.evaluate(problems, samples_per_problem, ks, cfg.eval.concurrency, on_problem)
     finally:
+        if dump:
+            dump.close()
         await worker.executor.aclose()
         worker.close()
 
@@ -233,6 +247,6 @@ def evaluate_on_worker(cfg: Config, workers: list[dict], version: int, pushed: d
 
 
 def evaluate(cfg: Config, problems: list[Problem], samples_per_problem: int, ks: list[int],
-             progress: bool = True) -> dict:
+             progress: bool = True, samples_out: str | None = None) -> dict:
     with executor_available(cfg) as cfg2:
-        return asyncio.run(run_eval(cfg2, problems, samples_per_problem, ks, progress))
+        return asyncio.run(run_eval(cfg2, problems, samples_per_problem, ks, progress, samples_out))
