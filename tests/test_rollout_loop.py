@@ -142,6 +142,15 @@ def test_teacher_traces_have_the_rollout_layout(tool):
         assert head.endswith(STOP_MARKER) and "```python" in head
         assert s.text.rstrip().endswith(f"\\boxed{{{p.answer}}}\n</answer>")
         assert s.completion_ids[-1] == TOK.eos_token_id
+        a, b, c = (p.meta["numbers"][k] for k in "abc")
+        assert f"{a} times {b}, minus {c}" in head.split("<program>")[0]  # the plan names the operation
+
+
+def test_expression_in_words():
+    from toolrl.teacher import expression_in_words
+
+    assert expression_in_words("148 * 36 - 2915") == "148 times 36, minus 2915"
+    assert expression_in_words("(2 * 3 + 4 * 5) * 6 - 7") == "(2 times 3, plus 4 times 5) times 6, minus 7"
 
 
 def test_a_code_group_is_scored_by_its_tests_with_a_teacher_trace(tool, tmp_path):
@@ -222,3 +231,46 @@ def test_evaluate_scores_the_policy_alone_and_leaves_training_state_alone(tool):
     assert res["tool_calls_per_answer"] == pytest.approx(2 / 6) and res["tool_error_rate"] == 0.0
     assert res["policy_version"] == 0 and res["aborted_samples"] == 0
     assert worker.stats.samples == 0 and worker.stats.teacher_traces == 0 and worker.level == 1
+
+
+def test_curriculum_promotes_on_accuracy_and_mix_levels_keeps_reviewing():
+    """Arithmetic curriculum: the level rises once the recent groups' accuracy passes the bar; with
+    data.mix_levels the problems cycle through every level up to the current one."""
+    from types import SimpleNamespace
+
+    from toolrl.config import load_config
+    from toolrl.genworker import GenWorker
+
+    def worker(*sets):
+        cfg = load_config("configs/cpu_demo.yaml", ["data.promote_window=2", "data.promote_at_accuracy=0.5",
+                                                    "data.max_level=3", *sets])
+        made.append(GenWorker(cfg, worker_id="t", engine=object()))
+        return made[-1]
+
+    made = []
+
+    def group(acc):
+        return [SimpleNamespace(rewards={"correct": float(i < acc * 4)}) for i in range(4)]
+
+    def levels(w, n):
+        return [next(w.problems).level for _ in range(n)]
+
+    w = worker("data.level=1")
+    assert levels(w, 3) == [1, 1, 1]
+    w._curriculum(group(0.25))
+    assert w.level == 1  # the window of 2 groups is not full yet
+    w._curriculum(group(0.5))
+    assert w.level == 1  # (0.25 + 0.5) / 2 < 0.5
+    w._curriculum(group(0.75))  # (0.5 + 0.75) / 2 >= 0.5
+    assert w.level == 2 and levels(w, 3) == [2, 2, 2]
+
+    w = worker("data.level=1", "data.mix_levels=true")
+    assert levels(w, 2) == [1, 1]
+    w._curriculum(group(1.0)), w._curriculum(group(1.0))
+    assert w.level == 2 and levels(w, 4) == [1, 2, 1, 2]
+    w._curriculum(group(1.0)), w._curriculum(group(1.0))
+    w._curriculum(group(1.0)), w._curriculum(group(1.0))
+    assert w.level == 3  # max_level: no further
+    assert levels(worker("data.level=3", "data.mix_levels=true"), 6) == [1, 2, 3, 1, 2, 3]
+    for w in made:
+        w.assembler.close()

@@ -47,6 +47,9 @@ class DataConfig(Section):
     max_level: int = Field(4, ge=1, le=5)
     promote_at_accuracy: float = Field(0.6, ge=0.0, le=1.0)  # curriculum: move up when accuracy passes this
     promote_window: int = Field(8, ge=1)  # ... over this many recent groups
+    # Arithmetic: draw problems from every level up to the current one in turn, not the current one
+    # alone, so earlier levels keep being reviewed (level 3 with mix_levels: levels 1-3 from the start)
+    mix_levels: bool = False
 
 
 class PromptConfig(Section):

@@ -29,7 +29,7 @@ from pathlib import Path
 from .advantages import group_advantages, zero_variance
 from .codetests import TestSpec, arun_tests, is_spec, program_in
 from .config import Config
-from .data import Problem, arithmetic_stream, load_problems
+from .data import Problem, arithmetic_problem, arithmetic_stream, load_problems
 from .engine import VllmEngine, wait_for
 from .models import load_tokenizer, resolve_model
 from .prompts import load_chat_prompt
@@ -82,7 +82,10 @@ def problem_source(cfg: Config, worker_id: str, level: int | None = None):
     """An endless, seeded problem stream, different for each worker."""
     offset = zlib.crc32(worker_id.encode()) % 100_000
     if cfg.data.source == "arithmetic":
-        return arithmetic_stream(seed=cfg.data.seed * 100_003 + offset, level=level or cfg.data.level)
+        seed, level = cfg.data.seed * 100_003 + offset, level or cfg.data.level
+        if cfg.data.mix_levels:
+            return (arithmetic_problem(seed, i % level + 1, i // level) for i in itertools.count())
+        return arithmetic_stream(seed=seed, level=level)
     problems = load_problems(cfg.data)
     import random
 

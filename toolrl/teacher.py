@@ -2,7 +2,7 @@
 code tasks a collected trace (toolrl.teacher_traces) or the data's reference solution.
 
 The generator knows the exact expression behind every problem, so the teacher writes the ideal
-trace: brief reasoning, a `<program>` with a python fence that computes the answer, the marker
+trace: the calculation in words, a `<program>` with a python fence that computes the answer, the marker
 line, the program's real output *from the executor service*, and `<answer>\\boxed{N}</answer>`.
 The trace is built from the same pieces as a rollout (prompt ids with the prefill, model
 segments, a tool segment tokenised by `tool_segment_ids`), so it teaches exactly the token layout
@@ -20,12 +20,20 @@ from .prompts import STOP_MARKER
 from .protocol import Sample
 from .rollout import Tool, tool_output_text, tool_segment_ids
 
+# The plan states the calculation in words before the program: choosing the operation from the
+# question ("sells" -> minus) is what a model that has the format still gets wrong (docs/RESULTS.md).
+_PLAN = [
+    "I need {words}.",
+    "The question asks for {words}.",
+    "So the calculation is {words}.",
+    "That is {words}.",
+]
 _REASONING = [
-    "I need to compute this exactly, so I will use Python.",
+    "I will compute it with Python.",
     "Let me write the calculation as a program instead of doing it in my head.",
-    "The numbers are large. I will let Python do the arithmetic.",
-    "I will turn the question into an expression and run it.",
-    "This needs multiplication with big numbers, so I will compute it with Python.",
+    "The numbers are large, so I will let Python do the arithmetic.",
+    "I will turn this into an expression and run it.",
+    "I will use Python to get the exact number.",
 ]
 _CONCLUSION = [
     "The program printed {n}, so the answer is {n}.",
@@ -33,6 +41,17 @@ _CONCLUSION = [
     "The computation gives {n}.",
     "Python says {n}, which answers the question.",
 ]
+_WORDS = {"*": "times", "+": "plus", "-": "minus"}
+
+
+def expression_in_words(expr: str) -> str:
+    """'148 * 36 - 2915' -> '148 times 36, minus 2915': the plan a teacher states before coding."""
+    out = []
+    for tok in expr.replace("(", "( ").replace(")", " )").split():
+        if tok in ("+", "-") and out:
+            out[-1] += ","
+        out.append(_WORDS.get(tok, tok))
+    return " ".join(out).replace("( ", "(").replace(" )", ")").replace(",)", ")")
 
 
 def teacher_program(problem: Problem, rng: random.Random) -> str:
@@ -59,7 +78,8 @@ async def teacher_sample(problem: Problem, prompt_ids: list[int], tokenizer, too
     if problem.program is None or "expression" not in problem.meta:
         return None
     code = teacher_program(problem, rng)
-    head = f"{rng.choice(_REASONING)}\n<program>\n```python\n{code}\n```\n</program>\n{STOP_MARKER}"
+    plan = rng.choice(_PLAN).format(words=expression_in_words(problem.meta["expression"]))
+    head = f"{plan} {rng.choice(_REASONING)}\n<program>\n```python\n{code}\n```\n</program>\n{STOP_MARKER}"
     call = await tool.run(code, None)
     if call.status != "ok" or call.output.strip() != problem.answer:
         return None
