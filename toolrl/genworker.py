@@ -108,7 +108,10 @@ class GenWorker:
         check_names(weights_at(cfg.rewards, 0))
         model_path = resolve_model(cfg.model.name)
         self.tokenizer = load_tokenizer(cfg.model.name)
-        self.engine = engine or VllmEngine(cfg, model_path, seed=zlib.crc32(self.worker_id.encode()) % 2**31)
+        # data.seed moves every random choice of a run (problems, sampling, teacher wording), so runs
+        # with different seeds are independent repeats
+        own_seed = zlib.crc32(self.worker_id.encode()) + 7919 * cfg.data.seed
+        self.engine = engine or VllmEngine(cfg, model_path, seed=own_seed % 2**31)
         from .sandbox.client import AsyncExecutorClient
 
         ex = cfg.executor
@@ -120,7 +123,7 @@ class GenWorker:
         self.level = cfg.data.level
         self.problems = problem_source(cfg, self.worker_id)
         self._recent_acc: collections.deque = collections.deque(maxlen=cfg.data.promote_window)
-        self._teacher_rng = random.Random(zlib.crc32(self.worker_id.encode()))
+        self._teacher_rng = random.Random(own_seed)
         self._code_traces = load_code_traces(cfg.teacher.traces_path)
         self.version = 0
         self.stats = Stats()
