@@ -104,8 +104,8 @@ for i in $(seq 0 $((WORKERS - 1))); do
   start "gen_worker_$i" "$gpu" "$PY" gen_worker.py "${COMMON[@]}" "${bind[@]}" --port $((W_PORT + i)) \
     --worker-id "worker-$i"
 done
-for i in $(seq 0 $((WORKERS - 1))); do wait_health "gen_worker_$i" "http://127.0.0.1:$((W_PORT + i))/health" 900; done
-
+# The learner starts while the workers load their engines (its imports and DeepSpeed set-up take
+# minutes on a small CPU); it waits for a registered worker before its first evaluation or batch.
 if [ -n "$LEARNER_GPUS" ]; then
   NGPU=$(awk -F, '{print NF}' <<< "$LEARNER_GPUS")
   start learner "" "$(dirname "$PY")/deepspeed" --include "localhost:$LEARNER_GPUS" --master_port $((REF_PORT + 1000)) \
@@ -114,6 +114,8 @@ else  # CPU: one rank on DeepSpeed's CPU accelerator
   start learner "" "$(dirname "$PY")/deepspeed" --num_gpus 1 --master_port $((REF_PORT + 1000)) \
     learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME
 fi
+for i in $(seq 0 $((WORKERS - 1))); do wait_health "gen_worker_$i" "http://127.0.0.1:$((W_PORT + i))/health" 900; done
+
 cat <<EOF
 all components up. Watch:
   progress     tail -f $RUN_DIR/logs/learner.log

@@ -44,7 +44,7 @@ def main() -> None:
     from toolrl.protocol import sample_record
     from toolrl.refserver.client import RefServerClient
     from toolrl.sync import WeightSync
-    from toolrl.trainer import Trainer
+    from toolrl.trainer import Trainer, out_of_time
 
     trainer = Trainer(cfg, resolve_model(cfg.model.name))
     rank0 = trainer.rank == 0
@@ -91,8 +91,14 @@ def main() -> None:
     if cfg.eval.before_after and trainer.step == 0:
         held_out("before")
     acc_ema = None  # drives the decay of the teacher-SFT weight as the policy gets better
+    train_t0, last_step_s = time.time(), 0.0
     while trainer.step < cfg.learner.steps:
         t0 = time.time()
+        if trainer.all_agree(out_of_time(cfg.learner.time_budget_s, t0 - train_t0, last_step_s)):
+            if rank0:
+                print(f"time budget: {t0 - train_t0:.0f}s of {cfg.learner.time_budget_s:.0f}s used, and a step "
+                      f"takes {last_step_s:.0f}s; stopping after step {trainer.step}", flush=True)
+            break
         # A step trains on a full batch (batch_samples): pieces are gathered until it is full.
         want, budget = max(1, cfg.learner.batch_samples // world), cfg.learner.batch_tokens // world
         batch, deadline = [], t0 + cfg.learner.batch_timeout_s
@@ -129,7 +135,8 @@ def main() -> None:
         metrics.update(batch_stats(batch, trainer.version))
         a = cfg.teacher.ema
         acc_ema = metrics["accuracy"] if acc_ema is None else a * acc_ema + (1 - a) * metrics["accuracy"]
-        metrics.update(time_wait_s=t1 - t0, time_compute_s=t2 - t1, time_sync_s=t3 - t2, step_time_s=time.time() - t0,
+        last_step_s = time.time() - t0
+        metrics.update(time_wait_s=t1 - t0, time_compute_s=t2 - t1, time_sync_s=t3 - t2, step_time_s=last_step_s,
                        policy_version=trainer.version, workers_ok=synced.get("workers_ok", 0),
                        workers_failed=synced.get("workers_failed", 0))
         if rank0:

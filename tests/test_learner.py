@@ -133,6 +133,25 @@ def test_teacher_and_self_sft_terms():
     assert m["loss"] == pytest.approx(m["loss_grpo"] + 0.5 * m["loss_sft_teacher"] + 0.25 * m["loss_sft_self"])
 
 
+@pytest.mark.parametrize("loss_type", ["token", "sequence"])
+def test_samples_with_no_loss_are_not_computed_and_the_step_is_unchanged(loss_type):
+    """Policy samples with advantage 0 (no KL, no entropy term) and samples whose only role has
+    weight 0 are left out of the forward/backward; the weights after the step are the same as when
+    every sample is computed."""
+    b = batch(8)
+    b = [s.model_copy(update={"advantage": 0.0}) if i % 4 < 2 else s for i, s in enumerate(b)]
+    b.append(b[1].model_copy(update={"source": "teacher", "group_id": "teacher-0"}))  # w_teacher 0: no role
+    sets = (f"grpo.loss_type={loss_type}", "grpo.entropy_coef=0")
+    a, full = make_trainer(*sets), make_trainer(*sets)
+    full._contributes = lambda s, role: True
+    ma, mf = a.train_step(b), full.train_step(b)
+    assert ma["samples_no_signal"] == 5 and mf["samples_no_signal"] == 0
+    assert ma["loss"] == pytest.approx(mf["loss"], rel=1e-5, abs=1e-7)
+    for (n1, p1), (n2, p2) in zip(a.export_state(), full.export_state()):
+        assert n1 == n2 and torch.allclose(p1, p2, atol=1e-6), n1
+    assert not torch.equal(a.export_state()[0][1], make_trainer(*sets).export_state()[0][1])  # it did train
+
+
 def test_lora_sync_merges_the_adapter(tmp_path):
     tr = make_trainer("learner.lora.enabled=true", "learner.lora.r=4")
     base = dict(make_trainer().export_state())
@@ -148,3 +167,14 @@ def test_lora_sync_merges_the_adapter(tmp_path):
 
     m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert torch.allclose(m.state_dict()[q], merged[q], atol=1e-6)
+
+
+def test_time_budget_stops_before_a_step_that_would_overrun_it():
+    from toolrl.trainer import out_of_time
+
+    assert not out_of_time(None, 1e9, 1e9)
+    assert not out_of_time(600, 0, 0)  # the first step always runs
+    assert not out_of_time(600, 400, 150)
+    assert out_of_time(600, 500, 150)
+    tr = make_trainer()
+    assert tr.all_agree(True) and not tr.all_agree(False)  # one rank: its own answer

@@ -217,6 +217,9 @@ class LoraConfig(Section):
 
 class LearnerConfig(Section):
     steps: int = Field(10, ge=0)
+    # Or stop sooner, when the next step would end past this many seconds of training (counted from
+    # the first step; evaluations excluded): runs compared at the same wall-clock budget.
+    time_budget_s: float | None = Field(None, gt=0)
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)

@@ -117,10 +117,16 @@ class VllmEngine:
         return len(ids)
 
     def shutdown(self) -> None:
+        # Drop the engine here, while the interpreter is whole: left to the garbage collector at
+        # exit, AsyncLLM.__del__ shuts down again and fails on half-torn-down modules.
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
         try:
-            self.llm.shutdown()
+            llm.shutdown()
         except Exception:  # already down
             pass
+        del llm
 
 
 async def wait_for(coro, timeout_s: float, what: str):

@@ -74,6 +74,11 @@ def micro_batches(samples: list[Sample], token_budget: int, share_prompts: bool 
     return out
 
 
+def out_of_time(budget_s: float | None, elapsed_s: float, last_step_s: float) -> bool:
+    """learner.time_budget_s: whether another step, as long as the last one, would end past it."""
+    return budget_s is not None and elapsed_s + last_step_s > budget_s
+
+
 def self_sft_choice(samples: list[Sample]) -> set[int]:
     """Per group, the best sample that solved the problem (reward component 'correct' == 1)."""
     best: dict[str, tuple[float, int]] = {}
@@ -207,6 +212,16 @@ class Trainer:
     def rank(self) -> int:
         return int(os.environ.get("RANK", "0"))
 
+    def all_agree(self, flag: bool) -> bool:
+        """True on every rank if it is on any: ranks must stop (or not) together."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return flag
+        t = torch.tensor([int(flag)], device=next(self.module.parameters()).device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, samples: list[Sample], w_teacher: float | None = None) -> dict[str, float]:
         """One optimizer step on a batch. `w_teacher` overrides grpo.w_teacher (its decay schedule)."""
@@ -219,7 +234,10 @@ class Trainer:
         roles = {id(s): (s.source == "policy", s.source == "teacher", i in chosen) for i, s in enumerate(samples)}
         counts = [BatchCounts(sum(1 for s in samples if roles[id(s)][r]),
                               sum(sum(s.loss_mask) for s in samples if roles[id(s)][r])) for r in range(3)]
-        mbs = micro_batches(samples, cfg.learner.micro_batch_tokens, self.share_prompts)
+        # The normalisers above count every sample; the forward/backward runs only on samples whose
+        # loss is not identically zero, which leaves the gradient exactly as it was.
+        trained = [s for s in samples if self._contributes(s, roles[id(s)])] or samples[:1]
+        mbs = micro_batches(trained, cfg.learner.micro_batch_tokens, self.share_prompts)
         sums: dict[str, float] = defaultdict(float)
         sums["ratio_max"], sums["ratio_min"] = -math.inf, math.inf
         skipped_micro = 0
@@ -247,7 +265,18 @@ class Trainer:
             self.skipped_steps += 1
         self.step += 1
         self.samples_seen += len(samples)
-        return self._metrics(sums, samples, counts, mbs, skipped_micro, applied, time.time() - t0)
+        out = self._metrics(sums, samples, counts, mbs, skipped_micro, applied, time.time() - t0)
+        out["samples_no_signal"] = len(samples) - len(trained)
+        return out
+
+    def _contributes(self, s: Sample, role: tuple[bool, bool, bool]) -> bool:
+        """Whether a sample adds anything to the loss: an SFT role with a nonzero weight, or a policy
+        sample under GRPO with a nonzero advantage (with no KL and no entropy term, a zero advantage
+        makes its surrogate, and so its gradient, zero)."""
+        g, w = self.cfg.grpo, self.weights
+        if (role[1] and w["teacher"] > 0) or (role[2] and w["self"] > 0):
+            return True
+        return role[0] and w["grpo"] > 0 and (s.advantage != 0 or g.beta > 0 or g.entropy_coef > 0)
 
     def _micro_loss(self, mb: list[Sample], counts: list[BatchCounts], roles: dict) -> tuple[torch.Tensor, dict]:
         g, lc = self.cfg.grpo, self.cfg.learner
