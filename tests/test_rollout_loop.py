@@ -193,7 +193,9 @@ def test_evaluate_scores_the_policy_alone_and_leaves_training_state_alone(tool):
     from toolrl.config import load_config
     from toolrl.genworker import GenWorker
 
-    cfg = load_config("configs/cpu_demo.yaml", [f"executor.url={tool().client.url}", "data.promote_window=1"])
+    # Level 1 of 3 with a 1-group window: one right answer during training would promote.
+    cfg = load_config("configs/cpu_demo.yaml", [f"executor.url={tool().client.url}", "data.level=1",
+                                                "data.max_level=3", "data.promote_window=1"])
     assert cfg.teacher.traces_per_group >= 1  # training adds them; the evaluation must not
     problems = arithmetic_problems(3, seed=11, level=1)
     calls = {p.id: 0 for p in problems}
@@ -255,7 +257,7 @@ def test_curriculum_promotes_on_accuracy_and_mix_levels_keeps_reviewing():
     def levels(w, n):
         return [next(w.problems).level for _ in range(n)]
 
-    w = worker("data.level=1")
+    w = worker("data.level=1", "data.mix_levels=false")
     assert levels(w, 3) == [1, 1, 1]
     w._curriculum(group(0.25))
     assert w.level == 1  # the window of 2 groups is not full yet
