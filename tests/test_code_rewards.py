@@ -107,6 +107,9 @@ def test_humaneval_style_candidate_and_stdio_and_call_tasks(client):
     assert score(client, ["def twice(x):\n    return x * 2\n"], call) == [2]
     leet = "class Solution:\n    def twice(self, x):\n        return x + x\n"
     assert score(client, [leet], call) == [2]
+    # a dict with int and str keys: compared as JSON (keys as strings), not refused by sorting them
+    mixed = TestSpec("call", fn_name="f", inputs=[[1]], outputs=[{"1": "a", "b": [1, 2]}])
+    assert score(client, ["def f(x):\n    return {x: 'a', 'b': (1, 2)}\n"], mixed) == [1]
 
 
 def test_partial_credit_survives_a_hang_in_a_later_test(client):

@@ -264,7 +264,7 @@ def _toolrl_harness(program, spec):
             ns2 = dict(ns, _fn=fn, _args=args, _out=None)
             try:
                 run(compile("_out = _fn(*_args)", "<test>", "exec"), ns2, timeout)
-                report(i, True, digest(json.dumps(ns2["_out"], default=list, sort_keys=True)))
+                report(i, True, digest(json.dumps(json.loads(json.dumps(ns2["_out"], default=list)), sort_keys=True)))
             except BaseException as exc:
                 report(i, False, type(exc).__name__)
     sys.stdout, sys.stderr = saved_stdout, saved_stderr
