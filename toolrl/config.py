@@ -240,7 +240,9 @@ class LearnerConfig(Section):
     share_prompts: bool = True
     logprob_chunk: int = Field(1024, ge=16)
     sync_every: int = Field(1, ge=1)
-    sync_transport: Literal["http", "nccl"] = "http"
+    # Bucketed safetensors over HTTP, on CPU and GPU alike. An NCCL transport is not built yet: a
+    # config asking for one is refused when loaded, not when the first push fails.
+    sync_transport: Literal["http"] = "http"
     sync_bucket_mb: int = Field(64, ge=1)
     sync_timeout_s: float = Field(120.0, gt=0)
     sync_retries: int = Field(3, ge=0)
