@@ -178,3 +178,55 @@ def test_time_budget_stops_before_a_step_that_would_overrun_it():
     assert out_of_time(600, 500, 150)
     tr = make_trainer()
     assert tr.all_agree(True) and not tr.all_agree(False)  # one rank: its own answer
+
+
+RANK_MAIN = """
+import json, os, sys
+sys.path.insert(0, "tests")
+from test_learner import batch, make_cfg
+from toolrl.models import resolve_model
+from toolrl.trainer import Trainer
+
+rank = int(os.environ["RANK"])
+tr = Trainer(make_cfg("learner.micro_batch_tokens=64", "learner.zero_stage=2"), resolve_model("tiny-random"))
+sig = lambda: [float(t.double().abs().sum()) for _, t in tr.export_state()]
+before = sig()
+m = [tr.train_step(batch(10 + rank, n_groups=1 if rank == 0 else 3)) for _ in range(2)]
+print(json.dumps({"micro": [x["micro_batches"] for x in m], "applied": [x["step_applied"] for x in m],
+                  "before": before, "after": sig()}))
+"""
+
+
+def test_two_ranks_with_unequal_micro_batches_step_together(tmp_path):
+    """Two learner ranks (DeepSpeed ZeRO-2 over gloo) whose batches split into different numbers of
+    micro-batches: ZeRO-2 reduces gradients inside every backward pass, so unequal counts would
+    pair mismatched collectives and hang. Both must finish, apply both steps, and agree on the weights."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = str(s.getsockname()[1])
+    s.close()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        with open(tmp_path / f"rank{rank}.out", "w") as out, open(tmp_path / f"rank{rank}.log", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, "-c", RANK_MAIN], env=env, stdout=out, stderr=err))
+    try:
+        for p in procs:
+            p.wait(timeout=600)
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, (tmp_path / f"rank{rank}.log").read_text()[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.out").read_text().strip().splitlines()[-1]) for r in range(2))
+    assert r0["micro"][0] < r1["micro"][0]  # the premise: rank 1 has more micro-batches
+    assert r0["applied"] == r1["applied"] == [1.0, 1.0]
+    assert r0["before"] == r1["before"] and r0["after"] != r0["before"]
+    assert r0["after"] == pytest.approx(r1["after"], rel=1e-6)

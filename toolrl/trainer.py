@@ -214,13 +214,17 @@ class Trainer:
 
     def all_agree(self, flag: bool) -> bool:
         """True on every rank if it is on any: ranks must stop (or not) together."""
+        return bool(self._all_reduce(float(flag), "max"))
+
+    def _all_reduce(self, x: float, op: str) -> float:
+        """x reduced over the ranks with "max" or "min" (itself when there is one rank)."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return flag
-        t = torch.tensor([int(flag)], device=next(self.module.parameters()).device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+            return x
+        t = torch.tensor([x], dtype=torch.float32, device=next(self.module.parameters()).device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+        return float(t.item())
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, samples: list[Sample], w_teacher: float | None = None) -> dict[str, float]:
@@ -241,13 +245,21 @@ class Trainer:
         sums: dict[str, float] = defaultdict(float)
         sums["ratio_max"], sums["ratio_min"] = -math.inf, math.inf
         skipped_micro = 0
-        for k, mb in enumerate(mbs):
-            self.engine.set_gradient_accumulation_boundary(k == len(mbs) - 1)
+        # ZeRO-2 reduces gradients across ranks inside every backward pass, so all ranks run the same
+        # number of them (a rank with fewer micro-batches adds zero-weighted copies of its first)
+        # and drop a micro-step together when any rank's loss is not finite.
+        n = int(self._all_reduce(len(mbs), "max"))
+        for k in range(n):
+            pad = k >= len(mbs)
+            mb = mbs[0] if pad else mbs[k]
+            self.engine.set_gradient_accumulation_boundary(k == n - 1)
             loss, m = self._micro_loss(mb, counts, roles)
-            if not torch.isfinite(loss):
+            if not self._all_reduce(float(torch.isfinite(loss)), "min"):
                 skipped_micro += 1
                 continue
-            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.backward(loss * 0.0 if pad else loss, scale_wrt_gas=False)
+            if pad:
+                continue
             for key, v in m.items():
                 if key == "ratio_max":
                     sums[key] = max(sums[key], float(v))
@@ -255,7 +267,7 @@ class Trainer:
                     sums[key] = min(sums[key], float(v))
                 else:
                     sums[key] += float(v)
-        if skipped_micro == len(mbs):
+        if skipped_micro == n:
             self.engine.optimizer.zero_grad(set_to_none=True)
             applied = False
         else:
