@@ -199,8 +199,9 @@ print(json.dumps({"micro": [x["micro_batches"] for x in m], "applied": [x["step_
 
 def test_two_ranks_with_unequal_micro_batches_step_together(tmp_path):
     """Two learner ranks (DeepSpeed ZeRO-2 over gloo) whose batches split into different numbers of
-    micro-batches: ZeRO-2 reduces gradients inside every backward pass, so unequal counts would
-    pair mismatched collectives and hang. Both must finish, apply both steps, and agree on the weights."""
+    micro-batches: ZeRO-2 reduces gradients inside every backward pass, so unequal counts pair
+    mismatched collectives (without the padding a rank aborts). Both must finish, apply both steps,
+    and agree on the weights."""
     import json
     import os
     import socket
