@@ -9,17 +9,14 @@ from toolrl.config import load_config
 from toolrl.logprobs import sample_logprobs
 from toolrl.models import resolve_model
 from toolrl.protocol import Sample
+from procs import free_port  # tests/ is on sys.path (conftest)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def dist_env():
     import os
-    import socket
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     yield
@@ -204,14 +201,10 @@ def test_two_ranks_with_unequal_micro_batches_step_together(tmp_path):
     and agree on the weights."""
     import json
     import os
-    import socket
     import subprocess
     import sys
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = str(s.getsockname()[1])
-    s.close()
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
