@@ -7,9 +7,11 @@
    `model(ids, labels=ids)` forward + backward + step on the same tokens. Ratio of tokens/s.
    The batch is GRPO groups sharing a prompt; the GRPO step runs each prompt once
    (learner.share_prompts) and, for comparison, once per row as the plain step does.
-2. A real gen worker (vLLM, idle) on this machine: a full HTTP weight sync (learner-side
-   `push_weights`: bucketing, safetensors, transfer, assembly, in-place reload) vs the worker's
-   in-place reload alone (the `reload_s` it reports). Ratio of times.
+2. Weight sync, in the same run: a real gen worker (vLLM, idle) taking a full HTTP sync
+   (learner-side `push_weights`: buckets streamed from the tensors' memory, written to /dev/shm
+   as they arrive, loaded while the rest arrives) vs the same engine's in-place reload alone of
+   weights already in /dev/shm (the faster of vLLM's whole-file reload and toolrl's bucket-file
+   loader). Ratio of times.
 
 Last line: JSON with ratio_vs_fwd_bwd and sync_ratio_vs_reload.
 """
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -103,9 +106,69 @@ def bench_step(args) -> dict:
     return res, named
 
 
+def write_buckets(named, d: Path, bucket_mb: int = 64) -> int:
+    """The update as a worker holds it once received: one safetensors file per bucket."""
+    from toolrl.protocol import bucketize, encode_weight_bucket
+    from toolrl.weights import bucket_file, ready_file
+
+    buckets = bucketize(named, bucket_mb << 20)
+    for i, b in enumerate(buckets):
+        (d / bucket_file(i)).write_bytes(encode_weight_bucket(b, 1, i, len(buckets)))
+        (d / ready_file(1, i)).touch()
+    return len(buckets)
+
+
+def bench_reload(args, named) -> dict:
+    """The baseline: the worker's engine loading weights already in /dev/shm, nothing on the wire.
+    Two ways, both timed: vLLM's own reload of one complete safetensors file, and toolrl's loader
+    reading the bucket files (what a sync runs, minus the transfer). The faster is the baseline."""
+    import asyncio
+
+    from safetensors.torch import save_file
+
+    from toolrl.config import load_config
+    from toolrl.engine import VllmEngine
+    from toolrl.models import resolve_model
+
+    cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}"])
+    d = Path(tempfile.mkdtemp(prefix="bench-reload-", dir="/dev/shm"))
+    one = d / "whole"
+    one.mkdir()
+    save_file({n: t for n, t in named}, str(one / "model.safetensors"))
+
+    async def run():
+        engine = VllmEngine(cfg, resolve_model(args.model))
+        try:
+            whole, buckets = [], []
+            for _ in range(args.repeats + 1):  # the first of each warms caches
+                t = time.perf_counter()
+                await engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(one),
+                                                                         "is_checkpoint_format": True})
+                whole.append(time.perf_counter() - t)
+                count = write_buckets(named, d)
+                t = time.perf_counter()
+                await engine.llm.collective_rpc("toolrl_load_buckets", kwargs={"weights_dir": str(d), "update_id": 1,
+                                                                               "count": count, "timeout_s": 5})
+                buckets.append(time.perf_counter() - t)
+                print(f"  reload alone: whole file {whole[-1]:.2f}s, bucket files {buckets[-1]:.2f}s", flush=True)
+            return min(whole[1:]), min(buckets[1:])
+        finally:
+            engine.shutdown()
+
+    try:
+        whole, buckets = asyncio.run(run())
+    finally:
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+    return {"reload_whole_file_s": round(whole, 3), "reload_bucket_files_s": round(buckets, 3),
+            "reload_s": round(min(whole, buckets), 3)}
+
+
 def bench_sync(args, named) -> dict:
     from toolrl.weights import push_weights
 
+    before = bench_reload(args, named)
     d = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     ref_port, w_port = free_port(), free_port()
     sets = [f"ref_server.url=http://127.0.0.1:{ref_port}", "grpo.beta=0", f"model.name={args.model}",
@@ -119,21 +182,34 @@ def bench_sync(args, named) -> dict:
         url = f"http://127.0.0.1:{w_port}"
         worker.wait_http(f"{url}/health", 900)
         time.sleep(3)
-        pushes, reloads = [], []
+        pushes, loads = [], []
         for v in range(1, args.repeats + 2):
             a = push_weights(url, named, version=v, bucket_mb=64, timeout_s=600)
             if v > 1:  # the first load also warms caches
                 pushes.append(a["push_s"])
-                reloads.append(a["reload_s"])
-            print(f"  sync v{v}: push {a['push_s']:.2f}s (reload {a['reload_s']:.2f}s, drain {a['drain_s']:.2f}s)",
-                  flush=True)
-        size = sum(t.numel() * t.element_size() for _, t in named)
-        return {"sync_bytes": size, "sync_s": round(min(pushes), 3), "reload_s": round(min(reloads), 3),
-                "sync_ratio_vs_reload": round(min(pushes) / min(reloads), 3)}
+                loads.append(a["reload_s"])
+            print(f"  sync v{v}: push {a['push_s']:.2f}s (load while receiving {a['reload_s']:.2f}s, "
+                  f"drain {a['drain_s']:.2f}s)", flush=True)
     finally:
         if worker:
             worker.stop()
         ref.stop()
+    after = bench_reload(args, named)  # the baseline before and after the syncs: this machine drifts
+    base = {k: min(before[k], after[k]) for k in before}
+    size = sum(t.numel() * t.element_size() for _, t in named)
+    return {"sync_bytes": size, "sync_s": round(min(pushes), 3), "sync_median_s": round(statistics.median(pushes), 3),
+            **base, "sync_ratio_vs_reload": round(min(pushes) / base["reload_s"], 3)}
+
+
+def hf_state(args):
+    """The weights as the learner exports them (HF names, tied lm_head included), without a step."""
+    import torch
+
+    from toolrl.models import load_hf_model
+
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    model = load_hf_model(args.model, args.dtype)
+    return [(n, t.detach().to(dtype, copy=True).contiguous()) for n, t in model.state_dict().items()]
 
 
 def main() -> None:
@@ -146,9 +222,14 @@ def main() -> None:
     ap.add_argument("--completion-len", type=int, default=192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-sync", action="store_true")
+    ap.add_argument("--skip-step", action="store_true", help="only the sync part (weights from the checkpoint)")
     args = ap.parse_args()
-    res, named = bench_step(args)
-    print(f"GRPO step {res['grpo_tokens_per_s']} tok/s vs plain fwd+bwd {res['plain_tokens_per_s']} tok/s", flush=True)
+    if args.skip_step:
+        res, named = {}, hf_state(args)
+    else:
+        res, named = bench_step(args)
+        print(f"GRPO step {res['grpo_tokens_per_s']} tok/s vs plain fwd+bwd {res['plain_tokens_per_s']} tok/s",
+              flush=True)
     if not args.skip_sync:
         res.update(bench_sync(args, named))
     res["model"] = args.model

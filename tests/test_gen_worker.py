@@ -175,6 +175,53 @@ def test_bad_weight_updates_are_refused(stack):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
+def _health_when(url, cond, timeout_s=120):
+    deadline = time.time() + timeout_s
+    while True:
+        h = httpx.get(f"{url}/health").json()
+        if cond(h):
+            return h
+        assert time.time() < deadline, h
+        time.sleep(0.05)
+
+
+def test_an_update_cut_off_part_way_holds_rollouts_until_a_whole_one_loads(stack, hf):
+    """The engine loads bucket 0 while bucket 1 is on the wire; if bucket 1 is bad, the weights are
+    a mix: the worker must say so, generate nothing, and recover with the next whole update."""
+    from toolrl.protocol import bucketize
+    from toolrl.weights import push_weights
+
+    url = stack["worker"]
+    named = [(n, t.detach().clone()) for n, t in hf.state_dict().items()]
+    buckets = bucketize(named, 16 << 20)
+    v = httpx.get(f"{url}/health").json()["policy_version"] + 1
+    headers = {"Content-Type": CONTENT_TYPE}
+    r = httpx.post(f"{url}/update_weights", content=encode_weight_bucket(buckets[0], v, 0, len(buckets)),
+                   headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["loaded"] is False
+    _health_when(url, lambda h: h["update_phase"] == "loading")  # rollouts drained, bucket 0 read
+    bad = bytearray(encode_weight_bucket(buckets[1], v, 1, len(buckets)))
+    bad[-1] ^= 0xFF
+    r = httpx.post(f"{url}/update_weights", content=bytes(bad), headers=headers, timeout=60)
+    assert r.status_code == 400 and "checksum" in r.text
+    h = _health_when(url, lambda h: h["update_phase"] is None)
+    assert h["weights_ok"] is False and h["policy_version"] == v - 1
+    prompt = load_tokenizer(stack["cfg"].model.name).encode("The capital of France is")
+    r = httpx.post(f"{url}/probe", json={"prompt_ids": prompt, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 503
+    generated = httpx.get(f"{url}/stats").json()["tokens"]
+    time.sleep(2)
+    assert httpx.get(f"{url}/stats").json()["tokens"] == generated  # no rollout runs on mixed weights
+
+    answer = push_weights(url, named, version=v, bucket_mb=16, timeout_s=600)
+    assert answer["loaded"] and answer["version"] == v
+    h = httpx.get(f"{url}/health").json()
+    assert h["weights_ok"] is True and h["policy_version"] == v
+    after = _probe(url, prompt)
+    expect = _score(hf, prompt, after["token_ids"])
+    assert max(abs(a - b) for a, b in zip(after["logprobs"], expect)) < 1e-3
+
+
 def test_bad_evaluate_requests_are_refused(stack):
     """POST /evaluate answers a bad task, k or key with one clear 4xx and runs nothing."""
     url = stack["worker"]

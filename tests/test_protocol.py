@@ -102,7 +102,7 @@ def test_wrong_schema_and_version():
         decode_samples(weights)
     from safetensors.torch import save
     old = save({"x": torch.zeros(1)}, metadata={"schema": "toolrl.samples", "version": "0", "meta": "{}",
-                                                "crc32": "0"})
+                                                "xxh3_64": "0"})
     with pytest.raises(SchemaMismatch, match="version"):
         decode_samples(old)
     plain = save({"x": torch.zeros(1)})

@@ -28,7 +28,8 @@ def test_weight_dirs_of_dead_workers_are_removed_live_ones_kept(tmp_path):
 
 def test_assembler_close_removes_its_directory(tmp_path):
     a = WeightAssembler(tmp_path / "toolrl-weights-w-1")
-    a.path.write_bytes(b"weights")
+    (a.out_dir / "v1-0").mkdir()
+    (a.out_dir / "v1-0" / "bucket-00000.safetensors").write_bytes(b"weights")
     a.close()
     assert not (tmp_path / "toolrl-weights-w-1").exists()
 

@@ -65,6 +65,7 @@ class VllmEngine:
             enforce_eager=cpu if r.enforce_eager is None else r.enforce_eager,
             max_num_seqs=r.max_num_seqs,
             block_size=r.block_size or (32 if cpu else None),
+            worker_extension_cls="toolrl.vllm_ext.WeightLoaderExtension",  # loads weight updates as they arrive
         )
         t0 = time.time()
         self.llm = AsyncLLM.from_engine_args(args)
@@ -102,11 +103,13 @@ class VllmEngine:
         stop = o.stop_reason if isinstance(o.stop_reason, str) else None
         return GenOut(toks, lps, o.text, o.finish_reason or "abort", stop)
 
-    async def reload_weights(self, weights_dir: str) -> float:
-        """Load the safetensors in `weights_dir` in place; the prefix cache then holds stale KV."""
+    async def load_buckets(self, weights_dir: str, update_id: int, count: int, timeout_s: float) -> float:
+        """Load an update in place from its buckets as they land in `weights_dir` (toolrl.vllm_ext),
+        then drop the prefix cache, whose KV came from the old weights."""
         t0 = time.time()
-        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_dir,
-                                                                "is_checkpoint_format": True})
+        await wait_for(self.llm.collective_rpc("toolrl_load_buckets", kwargs={
+            "weights_dir": weights_dir, "update_id": update_id, "count": count, "timeout_s": timeout_s}),
+            timeout_s * (count + 1), "loading a weight update")
         await self.llm.reset_prefix_cache()
         return time.time() - t0
 

@@ -5,10 +5,10 @@ One asyncio loop runs everything: the HTTP server (weight updates, health, stats
 uploader (waits when the reference server is full, never drops a group) and the heartbeat.
 
 Weight updates and versions: a sample is tagged with the policy version its rollout *started*
-under, and in-flight rollouts finish on those weights: when the last bucket of an update arrives,
-new rollouts are held back, the in-flight ones drain (aborted and discarded only after
-`rollout.drain_timeout_s`), the weights are loaded in place, the prefix cache is reset, and
-rollouts resume under the new version. So no sample mixes two policies.
+under, and in-flight rollouts finish on those weights: when the first bucket of an update
+arrives, new rollouts are held back and the in-flight ones drain (aborted and discarded only
+after `rollout.drain_timeout_s`) while the rest arrives; the weights are then loaded in place as
+the buckets land, the prefix cache is reset, and rollouts resume under the new version. So no sample mixes two policies.
 """
 from __future__ import annotations
 
@@ -126,6 +126,8 @@ class GenWorker:
         self._teacher_rng = random.Random(own_seed)
         self._code_traces = load_code_traces(cfg.teacher.traces_path)
         self.version = 0
+        self.weights_ok = True  # False after a load failed part-way: the weights are a mix
+        self.update_phase: str | None = None  # "draining" | "loading" while an update is under way
         self.stats = Stats()
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -140,7 +142,8 @@ class GenWorker:
 
         for d in remove_stale_weight_dirs(shm):
             log.info("removed %s, left by a worker that is gone", d)
-        self.assembler = WeightAssembler(shm / f"toolrl-weights-{self.worker_id}-{os.getpid()}")
+        self.assembler = WeightAssembler(shm / f"toolrl-weights-{self.worker_id}-{os.getpid()}",
+                                         wait_s=cfg.rollout.drain_timeout_s + cfg.learner.sync_timeout_s)
 
     # -- prompts -------------------------------------------------------------------------------
     def prompt_ids(self, question: str) -> list[int]:
@@ -328,12 +331,36 @@ class GenWorker:
                 yield group
 
     # -- weight updates --------------------------------------------------------------------------
-    async def load_weights(self, version: int) -> dict:
-        """Drain in-flight rollouts, load the assembled weights in place, bump the version."""
-        async with self._update_lock:
+    async def receive_bucket(self, chunks) -> dict:
+        """One bucket of a weight update (POST /update_weights), streamed to a file as it arrives.
+        The first bucket starts the load (`_load`); the answer to the last one waits for it."""
+        from .weights import UpdateAborted
+
+        bucket, update = await self.assembler.receive(chunks, self.version, self._start_load)
+        if not bucket.last:
+            return {"version": bucket.version, "loaded": False, "received": bucket.index + 1, "of": bucket.count}
+        if update.task is None:
+            raise UpdateAborted(f"version {bucket.version} has no load under way")
+        return await asyncio.shield(update.task)  # a dropped connection must not cancel the load
+
+    def _start_load(self, update) -> None:
+        update.task = asyncio.create_task(self._load(update))
+        update.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors reach the last bucket
+
+    async def _load(self, update) -> dict:
+        """Hold new rollouts back, drain the in-flight ones (aborted and discarded only after
+        `rollout.drain_timeout_s`), then load the buckets in place as they arrive and bump the
+        version. If the load fails part-way, the weights are a mix: rollouts stay held back and
+        /health says so until a whole update loads."""
+        from .weights import UpdateAborted
+
+        async with self._update_lock:  # an earlier update, superseded, finishes failing first
             self._open.clear()
-            t0 = time.time()
+            t0, loading = time.time(), False
+            self.update_phase = "draining"
             try:
+                if update.aborted:
+                    raise UpdateAborted(f"version {update.version} was superseded")
                 try:
                     await asyncio.wait_for(self._idle.wait(), self.cfg.rollout.drain_timeout_s)
                 except asyncio.TimeoutError:
@@ -344,15 +371,28 @@ class GenWorker:
                                 time.time() - t0, len(self._tasks), n)
                     await wait_for(self._idle.wait(), 60, "aborting in-flight rollouts")
                 drain_s = time.time() - t0
-                reload_s = await self.engine.reload_weights(str(self.assembler.out_dir))
-                self.version = version
+                if update.aborted:
+                    raise UpdateAborted(f"version {update.version} was superseded")
+                loading, self.weights_ok, self.update_phase = True, False, "loading"
+                reload_s = await self.engine.load_buckets(str(update.dir), update.id, update.count,
+                                                          self.cfg.learner.sync_timeout_s)
+                self.version, self.weights_ok = update.version, True
                 self.stats.updates += 1
                 self.stats.last_reload_s = reload_s
-                log.info("loaded policy version %d (drain %.2fs, reload %.2fs)", version, drain_s, reload_s)
-                return {"version": version, "loaded": True, "drain_s": drain_s, "reload_s": reload_s,
+                log.info("loaded policy version %d (drain %.2fs, load %.2fs)", update.version, drain_s, reload_s)
+                return {"version": update.version, "loaded": True, "drain_s": drain_s, "reload_s": reload_s,
                         "worker_id": self.worker_id}
+            except BaseException as exc:
+                update.abort()
+                if loading:
+                    log.error("loading version %d failed part-way (%s); no rollouts until a whole update loads",
+                              update.version, exc)
+                raise
             finally:
-                self._open.set()
+                self.update_phase = None
+                self.assembler.discard(update)
+                if self.weights_ok:
+                    self._open.set()
 
     def stats_dict(self) -> dict:
         d = self.stats.as_dict(self.version, self._inflight)

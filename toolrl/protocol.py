@@ -1,7 +1,7 @@
 """The sample record and the wire format, defined once for every service.
 
 A payload is one safetensors blob. Tensors travel as tensors; everything else travels as JSON
-in the safetensors metadata, beside the schema name, the schema version and a CRC32 over the
+in the safetensors metadata, beside the schema name, the schema version and a checksum (xxh3-64) over the
 JSON and every tensor's bytes. Decoding never unpickles anything, checks the size before it
 parses, and turns every defect (garbage, truncation, a flipped byte, a wrong schema or version,
 inconsistent lengths) into a `WireFormatError` subclass that says what is wrong.
@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 import math
 import struct
-import zlib
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: an xxh3-64 checksum over the data region as laid out, checkable while streaming
 SCHEMA_SAMPLES = "toolrl.samples"
 SCHEMA_WEIGHTS = "toolrl.weights"
 CONTENT_TYPE = "application/vnd.toolrl.safetensors"
@@ -121,21 +119,97 @@ _TOKEN_FIELDS = ("prompt_ids", "completion_ids", "loss_mask", "logprobs", "ref_l
 # ---------------------------------------------------------------------------------------------
 # Generic framing
 
-def _crc(meta_json: str, tensors: dict[str, torch.Tensor]) -> str:
-    crc = zlib.crc32(meta_json.encode())
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().reshape(-1)
-        crc = zlib.crc32(name.encode(), crc)
-        if t.numel():
-            crc = zlib.crc32(t.view(torch.uint8).numpy(), crc)
-    return f"{crc:08x}"
+# torch dtype -> safetensors dtype name (the ones a policy or a sample payload can hold)
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (it must be contiguous and on the CPU)."""
+    flat = t.reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def _hasher(meta_json: str):
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    h.update(meta_json.encode())
+    return h
+
+
+def frame(schema: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[memoryview]]:
+    """A payload as (header, data buffers): a safetensors file whose body is the tensors' own
+    memory, so a large payload (a weight bucket) can be streamed without being copied into one blob.
+
+    Layout: tensors by element size, largest first, then by name, which keeps every offset aligned;
+    `safetensors.torch.load` reads it like any safetensors file (tested). The checksum (xxh3-64,
+    about 7x faster than CRC32 here) covers the meta JSON and then the whole data region, so a
+    reader can check it as the bytes stream past."""
+    meta_json = json.dumps(meta, separators=(",", ":"), allow_nan=False)
+    entries, views, offset = {}, [], 0
+    for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
+        t = tensors[name].detach()
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which the wire format does not carry")
+        t = t.cpu().contiguous()
+        view = _byte_view(t)
+        entries[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                         "data_offsets": [offset, offset + view.nbytes]}
+        offset += view.nbytes
+        if view.nbytes:
+            views.append(view)
+    h = _hasher(meta_json)
+    for v in views:
+        h.update(v)
+    header = {"__metadata__": {"schema": schema, "version": str(WIRE_VERSION), "meta": meta_json,
+                               "xxh3_64": h.hexdigest()}, **entries}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
+    return struct.pack("<Q", len(text)) + text, views
 
 
 def pack(schema: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bytes:
-    meta_json = json.dumps(meta, separators=(",", ":"), allow_nan=False)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    header = {"schema": schema, "version": str(WIRE_VERSION), "meta": meta_json, "crc32": _crc(meta_json, tensors)}
-    return st_save(tensors, metadata=header)
+    header, views = frame(schema, meta, tensors)
+    return b"".join([header, *views])
+
+
+def _read_header(head: bytes | memoryview, size: int | None, schema: str) -> tuple[int, dict, dict]:
+    """Parse a payload's header from its first bytes -> (header length, header, metadata).
+    `size` is the whole payload's size where known (to catch truncation early)."""
+    (header_len,) = struct.unpack("<Q", bytes(head[:8]))
+    limit = _MAX_HEADER_BYTES if size is None else min(size - 8, _MAX_HEADER_BYTES)
+    if header_len > limit:
+        raise CorruptPayload(f"header claims {header_len} bytes but the payload has {size - 8 if size else '?'} "
+                             f"(truncated?)")
+    if len(head) < 8 + header_len:
+        raise CorruptPayload(f"payload ends inside its {header_len}-byte header (truncated?)")
+    try:
+        header = json.loads(bytes(head[8:8 + header_len]))
+        meta_header = header.get("__metadata__") if isinstance(header, dict) else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptPayload(f"header is not valid JSON: {exc}") from None
+    if not isinstance(meta_header, dict):
+        raise CorruptPayload("payload carries no toolrl metadata")
+    got_schema, got_version = meta_header.get("schema"), meta_header.get("version")
+    if got_schema != schema:
+        raise SchemaMismatch(f"expected schema {schema!r}, got {got_schema!r}")
+    if got_version != str(WIRE_VERSION):
+        raise SchemaMismatch(f"{schema} version {got_version!r} is not supported (this side speaks {WIRE_VERSION})")
+    if not isinstance(meta_header.get("meta"), str):
+        raise CorruptPayload("metadata has no 'meta' field")
+    return header_len, header, meta_header
+
+
+def _parse_meta(meta_json: str) -> dict[str, Any]:
+    try:
+        meta = json.loads(meta_json)
+    except json.JSONDecodeError as exc:
+        raise CorruptPayload(f"meta is not valid JSON: {exc}") from None
+    if not isinstance(meta, dict):
+        raise CorruptPayload("meta must be a JSON object")
+    return meta
 
 
 def unpack(data: bytes, schema: str, max_bytes: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -147,37 +221,17 @@ def unpack(data: bytes, schema: str, max_bytes: int) -> tuple[dict[str, Any], di
         raise PayloadTooLarge(f"payload of {size} bytes is over the limit of {max_bytes}")
     if size < 8:
         raise CorruptPayload(f"payload of {size} bytes is too short to be safetensors")
-    (header_len,) = struct.unpack("<Q", bytes(data[:8]))
-    if header_len > min(size - 8, _MAX_HEADER_BYTES):
-        raise CorruptPayload(f"header claims {header_len} bytes but the payload has {size - 8} (truncated?)")
-    try:
-        header = json.loads(bytes(data[8:8 + header_len]))
-        meta_header = header.get("__metadata__") if isinstance(header, dict) else None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptPayload(f"header is not valid JSON: {exc}") from None
-    if not isinstance(meta_header, dict):
-        raise CorruptPayload("payload carries no toolrl metadata")
-    got_schema, got_version = meta_header.get("schema"), meta_header.get("version")
-    if got_schema != schema:
-        raise SchemaMismatch(f"expected schema {schema!r}, got {got_schema!r}")
-    if got_version != str(WIRE_VERSION):
-        raise SchemaMismatch(f"{schema} version {got_version!r} is not supported (this side speaks {WIRE_VERSION})")
+    header_len, _, meta_header = _read_header(data, size, schema)
     try:
         tensors = st_load(bytes(data))
     except Exception as exc:  # safetensors raises its own error types for every parse failure
         raise CorruptPayload(f"malformed safetensors body: {exc}") from None
-    meta_json = meta_header.get("meta")
-    if not isinstance(meta_json, str):
-        raise CorruptPayload("metadata has no 'meta' field")
-    if meta_header.get("crc32") != _crc(meta_json, tensors):
+    meta_json = meta_header["meta"]
+    h = _hasher(meta_json)
+    h.update(memoryview(data)[8 + header_len:])
+    if meta_header.get("xxh3_64") != h.hexdigest():
         raise CorruptPayload("checksum mismatch: the payload was altered or truncated in transit")
-    try:
-        meta = json.loads(meta_json)
-    except json.JSONDecodeError as exc:
-        raise CorruptPayload(f"meta is not valid JSON: {exc}") from None
-    if not isinstance(meta, dict):
-        raise CorruptPayload("meta must be a JSON object")
-    return meta, tensors
+    return _parse_meta(meta_json), tensors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,16 +323,20 @@ def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES) -> tuple[lis
 # Weight updates: ordered buckets of named tensors with the policy version
 
 class WeightBucket(BaseModel):
+    """One bucket's metadata (and, when decoded from bytes, its tensors)."""
     model_config = ConfigDict(arbitrary_types_allowed=True)
     version: int = Field(ge=0)
     index: int = Field(ge=0)
     count: int = Field(ge=1)
-    tensors: list[tuple[str, torch.Tensor]]
+    names: list[str]
+    tensors: list[tuple[str, torch.Tensor]] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "WeightBucket":
         if self.index >= self.count:
             raise ValueError(f"bucket index {self.index} out of range for {self.count} buckets")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("duplicate tensor names")
         return self
 
     @property
@@ -286,27 +344,115 @@ class WeightBucket(BaseModel):
         return self.index == self.count - 1
 
 
-def encode_weight_bucket(tensors: list[tuple[str, torch.Tensor]], version: int, index: int, count: int) -> bytes:
+def frame_weight_bucket(tensors: list[tuple[str, torch.Tensor]], version: int, index: int,
+                        count: int) -> tuple[bytes, list[memoryview]]:
+    """One bucket as (header, the tensors' own memory): what the learner streams."""
     names = [n for n, _ in tensors]
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names in a weight bucket")
     if not 0 <= index < count:
         raise ValueError(f"bucket index {index} out of range for {count} buckets")
     meta = {"version": version, "index": index, "count": count, "names": names}
-    return pack(SCHEMA_WEIGHTS, meta, dict(tensors))
+    return frame(SCHEMA_WEIGHTS, meta, dict(tensors))
+
+
+def encode_weight_bucket(tensors: list[tuple[str, torch.Tensor]], version: int, index: int, count: int) -> bytes:
+    header, views = frame_weight_bucket(tensors, version, index, count)
+    return b"".join([header, *views])
+
+
+class WeightBucketReader:
+    """Decodes one weight bucket as its bytes arrive, passing every byte on to `sink` (a file), so a
+    worker never holds a bucket in memory. It checks the header (schema, version, names) as soon
+    as it is complete, refuses bytes past the declared end or the size limit at once, and checks
+    the length and the checksum at `finish`. The sink's result is safetensors; a reader of it (vLLM's
+    loader) still validates the tensor table itself."""
+
+    def __init__(self, sink: Callable[[bytes], Any], max_bytes: int = MAX_WEIGHTS_BYTES):
+        self.sink, self.max_bytes = sink, max_bytes
+        self.head = bytearray()
+        self.bucket: WeightBucket | None = None  # set once the header is in
+        self.size = 0  # bytes seen
+        self.total: int | None = None  # declared by the header
+        self._hash = None
+        self._held: list[bytes] = []
+
+    def feed(self, chunk: bytes, hold: bool = False) -> None:
+        """Take the next bytes. With `hold`, the bytes up to and just past the header are kept
+        until `release()`, so the caller can look at `bucket` before anything reaches the sink."""
+        self.size += len(chunk)
+        if self.size > self.max_bytes:
+            raise PayloadTooLarge(f"payload is over the limit of {self.max_bytes} bytes")
+        if self.total is not None and self.size > self.total:
+            raise CorruptPayload(f"payload runs past its declared {self.total} bytes")
+        if self.bucket is None:
+            self.head += chunk
+            if len(self.head) >= 8:
+                (hl,) = struct.unpack("<Q", bytes(self.head[:8]))
+                if hl > _MAX_HEADER_BYTES:
+                    raise CorruptPayload(f"header claims {hl} bytes, over the limit of {_MAX_HEADER_BYTES}")
+                if len(self.head) >= 8 + hl:
+                    self._start(hl)
+                    if not hold:
+                        self.release()
+            return
+        self._hash.update(chunk)
+        self.sink(chunk)
+
+    def release(self) -> None:
+        for part in self._held:
+            self.sink(part)
+        self._held = []
+
+    def _start(self, hl: int) -> None:
+        _, header, mh = _read_header(self.head, None, SCHEMA_WEIGHTS)
+        meta = _parse_meta(mh["meta"])
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        try:
+            ends = [int(v["data_offsets"][1]) for v in tensors.values()]
+        except (TypeError, KeyError, IndexError, ValueError):
+            raise CorruptPayload("tensor table entries need data_offsets") from None
+        names = meta.get("names")
+        if not isinstance(names, list) or sorted(names) != sorted(tensors):
+            raise CorruptPayload("weight bucket names do not match its tensors")
+        try:
+            self.bucket = WeightBucket(version=meta.get("version"), index=meta.get("index"),
+                                       count=meta.get("count"), names=names)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise CorruptPayload(f"weight bucket {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        self.total = 8 + hl + max(ends, default=0)
+        if self.total > self.max_bytes:
+            raise PayloadTooLarge(f"payload declares {self.total} bytes, over the limit of {self.max_bytes}")
+        if self.size > self.total:
+            raise CorruptPayload(f"payload runs past its declared {self.total} bytes")
+        self.expected_hash = mh.get("xxh3_64")
+        self._hash = _hasher(mh["meta"])
+        head, rest = bytes(self.head[:8 + hl]), bytes(self.head[8 + hl:])
+        self.head = bytearray()
+        self._hash.update(rest)
+        self._held = [head, rest] if rest else [head]
+
+    def finish(self) -> WeightBucket:
+        if self.bucket is None or self.size != self.total:
+            raise CorruptPayload(f"payload ends after {self.size} bytes, before its declared end (truncated?)")
+        if self.expected_hash != self._hash.hexdigest():
+            raise CorruptPayload("checksum mismatch: the payload was altered or truncated in transit")
+        return self.bucket
 
 
 def decode_weight_bucket(data: bytes, max_bytes: int = MAX_WEIGHTS_BYTES) -> WeightBucket:
-    meta, t = unpack(data, SCHEMA_WEIGHTS, max_bytes)
-    names = meta.get("names")
-    if not isinstance(names, list) or sorted(names) != sorted(t) or len(set(names)) != len(names):
-        raise CorruptPayload("weight bucket names do not match its tensors")
+    """A whole bucket from bytes, tensors included (the worker streams instead: WeightBucketReader)."""
+    if len(data) < 8:
+        raise CorruptPayload(f"payload of {len(data)} bytes is too short to be safetensors")
+    reader = WeightBucketReader(lambda _: None, max_bytes)
+    reader.feed(bytes(data))
+    bucket = reader.finish()
     try:
-        return WeightBucket(version=meta.get("version"), index=meta.get("index"), count=meta.get("count"),
-                            tensors=[(n, t[n]) for n in names])
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise CorruptPayload(f"weight bucket {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        t = st_load(bytes(data))
+    except Exception as exc:  # safetensors raises its own error types for every parse failure
+        raise CorruptPayload(f"malformed safetensors body: {exc}") from None
+    return bucket.model_copy(update={"tensors": [(n, t[n]) for n in bucket.names]})
 
 
 def bucketize(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:

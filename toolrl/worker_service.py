@@ -6,12 +6,13 @@ import logging
 import time
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, Field
 
 from .config import Config
 from .genworker import GenWorker
-from .protocol import MAX_WEIGHTS_BYTES, WireFormatError, decode_weight_bucket
-from .service import bearer_auth, install_error_handlers, read_body_capped
+from .protocol import MAX_WEIGHTS_BYTES, PayloadTooLarge, WireFormatError
+from .service import bearer_auth, install_error_handlers
 
 log = logging.getLogger("gen_worker")
 
@@ -41,7 +42,8 @@ def build_app(worker: GenWorker) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"ok": True, "worker_id": worker.worker_id, "policy_version": worker.version}
+        return {"ok": True, "worker_id": worker.worker_id, "policy_version": worker.version,
+                "weights_ok": worker.weights_ok, "update_phase": worker.update_phase}
 
     @app.get("/stats", dependencies=[auth])
     async def stats():
@@ -51,6 +53,8 @@ def build_app(worker: GenWorker) -> FastAPI:
     async def probe(req: ProbeRequest):
         """Seeded sampling at the rollout temperature: tokens and their logprobs under the loaded
         weights, so a learner (or a test) can check a sync by scoring the same tokens itself."""
+        if not worker.weights_ok:
+            raise HTTPException(status_code=503, detail="a weight update failed part-way; waiting for a whole one")
         vocab = worker.tokenizer.vocab_size + len(worker.tokenizer.get_added_vocab())
         if max(req.prompt_ids) >= vocab or min(req.prompt_ids) < 0:
             raise HTTPException(status_code=400, detail=f"prompt_ids must lie in [0, {vocab})")
@@ -82,27 +86,27 @@ def build_app(worker: GenWorker) -> FastAPI:
 
     @app.post("/update_weights", dependencies=[auth])
     async def update_weights(request: Request):
-        from .weights import BucketOrderError
+        """One bucket of a weight update, streamed to disk as it arrives (toolrl.weights)."""
+        from .weights import BucketOrderError, UpdateAborted
 
-        body = await read_body_capped(request, MAX_WEIGHTS_BYTES)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_WEIGHTS_BYTES:
+            raise HTTPException(status_code=413, detail=f"body of {declared} bytes is over the limit of "
+                                                        f"{MAX_WEIGHTS_BYTES}")
         try:
-            bucket = decode_weight_bucket(body)
+            return await worker.receive_bucket(request.stream())
+        except PayloadTooLarge as exc:
+            raise HTTPException(status_code=413, detail=str(exc)) from None
         except WireFormatError as exc:
             raise HTTPException(status_code=400, detail=f"bad weight bucket: {exc}") from None
-        if bucket.version < worker.version:
-            raise HTTPException(status_code=409, detail=f"version {bucket.version} is older than the loaded "
-                                                        f"{worker.version}")
-        try:
-            complete = await asyncio.to_thread(worker.assembler.add, bucket)
-        except BucketOrderError as exc:
+        except (BucketOrderError, UpdateAborted) as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
-        if not complete:
-            return {"version": bucket.version, "loaded": False, "received": bucket.index + 1, "of": bucket.count}
-        try:
-            return await worker.load_weights(bucket.version)
+        except ClientDisconnect:
+            log.warning("weight update: the sender went away mid-bucket")
+            raise HTTPException(status_code=400, detail="body ended early") from None
         except Exception as exc:
             log.exception("weight load failed")
-            raise HTTPException(status_code=500, detail=f"loading version {bucket.version} failed: {exc}") from None
+            raise HTTPException(status_code=500, detail=f"loading the weight update failed: {exc}") from None
 
     return app
 

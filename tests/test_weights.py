@@ -1,0 +1,228 @@
+"""Weight updates on the wire and on the worker's disk, without an engine: framing that streams
+from the tensors' memory, the receiving side that streams into slot files and checks each
+bucket's place from its header, and the loader's reader that takes each bucket as soon as it is
+ready. (tests/test_gen_worker.py pushes real updates into a real vLLM worker.)"""
+import asyncio
+import json
+import struct
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from toolrl.protocol import (CorruptPayload, PayloadTooLarge, bucketize, encode_weight_bucket, frame_weight_bucket,
+                             pack)
+from toolrl.vllm_ext import iter_bucket_files
+from toolrl.weights import BucketOrderError, UpdateAborted, WeightAssembler, abort_file, bucket_file, ready_file
+
+
+def _named(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [("model.embed.weight", torch.randn(64, 16, generator=g)),
+            ("model.layers.0.w", torch.randn(32, 16, generator=g).to(torch.bfloat16)),
+            ("model.layers.0.b", torch.randn(16, generator=g)),
+            ("model.norm.weight", torch.ones(16)),
+            ("model.step", torch.arange(3))]
+
+
+def test_framing_is_safetensors_own_layout():
+    """The streamed framing lays tensors out exactly as safetensors does; only the order of the
+    metadata keys in the header may differ (safetensors keeps them in a hash map)."""
+    tensors = dict(_named())
+    ours = pack("s", {"a": 1}, tensors)
+    hl = struct.unpack("<Q", ours[:8])[0]
+    header = json.loads(ours[8:8 + hl])
+    theirs = save(tensors, metadata=header["__metadata__"])
+    assert len(ours) == len(theirs)
+    assert ours[8 + hl:] == theirs[8 + hl:]  # the data region, byte for byte
+    assert json.loads(theirs[8:8 + hl]) == header
+    back = load(ours)
+    assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items())
+
+
+def test_frame_does_not_copy_the_tensors():
+    w = torch.zeros(1000)
+    _, views = frame_weight_bucket([("w", w)], 1, 0, 1)
+    w[0] = 7.0  # the view is the tensor's memory: what is streamed is what the tensor holds
+    assert torch.frombuffer(views[0], dtype=torch.float32)[0].item() == 7.0
+
+
+async def _chunks(data: bytes, size: int = 1000):
+    for a in range(0, len(data), size):
+        yield data[a:a + size]
+        await asyncio.sleep(0)
+
+
+def _bodies(named, version, bucket_bytes=1024):
+    buckets = bucketize(named, bucket_bytes)
+    return [encode_weight_bucket(b, version, i, len(buckets)) for i, b in enumerate(buckets)]
+
+
+def test_buckets_stream_to_files_in_order_and_load_back(tmp_path):
+    named = _named()
+    bodies = _bodies(named, version=3)
+    assert len(bodies) >= 3
+    a = WeightAssembler(tmp_path / "w")
+    started = []
+
+    async def run():
+        for body in bodies:
+            bucket, update = await a.receive(_chunks(body), min_version=0, on_new=started.append)
+        return update
+
+    update = asyncio.run(run())
+    assert len(started) == 1 and started[0] is update and update.next_index == update.count == len(bodies)
+    slots = [update.dir / bucket_file(i) for i in range(len(bodies))]
+    assert [f.read_bytes() for f in slots] == bodies  # streamed into the slots byte for byte
+    assert all((update.dir / ready_file(update.id, i)).exists() for i in range(len(bodies)))
+    got = list(iter_bucket_files(str(update.dir), update.id, update.count, timeout_s=5))
+    assert sorted(n for n, _ in got) == sorted(n for n, _ in named) and len(got) == len(named)
+    for name, t in named:
+        assert torch.equal(dict(got)[name], t)
+    a.discard(update)
+    assert not list(update.dir.glob("ready-*")) and all(f.exists() for f in slots)  # slots stay for reuse
+
+    newer = _bodies(_named(seed=1), version=4)
+    update = asyncio.run(run_all(a, newer))
+    assert [f.read_bytes() for f in slots] == newer  # the same slot files, overwritten in place
+    got = dict(iter_bucket_files(str(update.dir), update.id, update.count, timeout_s=5))
+    assert all(torch.equal(got[n], t) for n, t in _named(seed=1))
+    a.close()
+    assert not (tmp_path / "w").exists()
+
+
+async def run_all(a, bodies):
+    for body in bodies:
+        _, update = await a.receive(_chunks(body), 0)
+    return update
+
+
+def test_a_new_update_waits_until_the_last_whole_one_is_loaded(tmp_path):
+    """The loader of a whole update may still be reading the slots: the next update must not
+    overwrite them until it is done, or the loaded weights would be a mix."""
+    a = WeightAssembler(tmp_path / "w", wait_s=5)
+
+    async def run():
+        first = await run_all(a, _bodies(_named(), version=1))
+        loaded = asyncio.Event()
+
+        async def load():
+            await asyncio.sleep(0.3)
+            loaded.set()
+        first.task = asyncio.create_task(load())
+        await a.receive(_chunks(_bodies(_named(1), version=2)[0]), 0)
+        assert loaded.is_set()
+        assert not first.aborted
+
+    asyncio.run(run())
+
+
+def test_misplaced_buckets_are_refused_from_their_header(tmp_path):
+    bodies = _bodies(_named(), version=5)
+    a = WeightAssembler(tmp_path / "w")
+    fed = []
+
+    async def header_then_count(body):
+        end = 8 + struct.unpack("<Q", body[:8])[0]
+        yield body[:end]  # the header alone decides
+        fed.append("body")
+        yield body[end:]
+
+    async def run():
+        with pytest.raises(BucketOrderError, match="bucket 0 of a new update"):
+            await a.receive(header_then_count(bodies[1]), 0)
+        with pytest.raises(BucketOrderError, match="older than the loaded 6"):
+            await a.receive(header_then_count(bodies[0]), min_version=6)
+        await a.receive(_chunks(bodies[0]), 0)
+        with pytest.raises(BucketOrderError, match="expected bucket 1/"):
+            await a.receive(header_then_count(bodies[2]), 0)
+        return a.update
+
+    update = asyncio.run(run())
+    assert fed == []  # no misplaced body was read past its header
+    assert update.next_index == 1 and not update.aborted  # a stray bucket does not spoil the update
+
+
+def test_a_bad_bucket_aborts_its_update_and_a_new_update_supersedes(tmp_path):
+    bodies = _bodies(_named(), version=2)
+    a = WeightAssembler(tmp_path / "w")
+
+    async def run():
+        _, first = await a.receive(_chunks(bodies[0]), 0)
+        bad = bytearray(bodies[1])
+        bad[-5] ^= 1
+        with pytest.raises(CorruptPayload, match="checksum"):
+            await a.receive(_chunks(bytes(bad)), 0)
+        assert first.aborted and (first.dir / abort_file(first.id)).exists()
+        assert not (first.dir / ready_file(first.id, 1)).exists()
+        with pytest.raises(BucketOrderError):  # the rest of an aborted update has nowhere to go
+            await a.receive(_chunks(bodies[1]), 0)
+        _, second = await a.receive(_chunks(bodies[0]), 0)
+        newer = _bodies(_named(1), version=3)
+        _, third = await a.receive(_chunks(newer[0]), 0)  # version 3 starts before 2 is whole
+        assert second.aborted and not third.aborted and a.update is third
+        with pytest.raises(CorruptPayload, match="truncated"):
+            await a.receive(_chunks(newer[1][:-10]), 0)
+        assert third.aborted
+
+    asyncio.run(run())
+
+
+def test_oversized_bucket_stops_at_the_limit(tmp_path):
+    body = _bodies(_named(), version=1, bucket_bytes=1 << 20)[0]
+    a = WeightAssembler(tmp_path / "w", max_bytes=len(body) - 1)
+
+    async def run():
+        with pytest.raises(PayloadTooLarge):
+            await a.receive(_chunks(body), 0)
+
+    asyncio.run(run())
+
+
+def test_loader_reads_each_bucket_as_it_is_ready_and_gives_up_on_abort_or_timeout(tmp_path):
+    bodies = _bodies(_named(), version=1)
+    d = tmp_path / "u"
+    d.mkdir()
+    arrived = []
+
+    def deliver():
+        for i, body in enumerate(bodies):
+            time.sleep(0.2)
+            (d / bucket_file(i)).write_bytes(body)
+            (d / ready_file(7, i)).touch()
+            arrived.append(time.monotonic())
+
+    t = threading.Thread(target=deliver)
+    t.start()
+    got_at = []
+    for _ in iter_bucket_files(str(d), 7, len(bodies), timeout_s=5):
+        got_at.append(time.monotonic())
+    t.join()
+    assert got_at[0] < arrived[-1]  # the first tensors were read before the last bucket was there
+
+    with pytest.raises(TimeoutError, match="did not arrive"):
+        list(iter_bucket_files(str(d), 8, 1, timeout_s=0.2))  # another update's markers do not count
+    (d / abort_file(7)).touch()
+    with pytest.raises(RuntimeError, match="aborted"):
+        list(iter_bucket_files(str(d), 7, 1, timeout_s=5))  # aborted: even a ready bucket is not read
+
+
+def test_update_aborted_is_raised_for_a_bucket_that_finishes_after_being_superseded(tmp_path):
+    bodies = _bodies(_named(), version=1)
+    a = WeightAssembler(tmp_path / "w")
+
+    async def run():
+        await a.receive(_chunks(bodies[0]), 0)
+
+        async def slow():
+            async for c in _chunks(bodies[1]):
+                yield c
+                if a.update.version == 1:
+                    a.update.abort()  # as a newer update's first bucket would
+
+        with pytest.raises(UpdateAborted):
+            await a.receive(slow(), 0)
+
+    asyncio.run(run())
