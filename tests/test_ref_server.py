@@ -13,7 +13,7 @@ import uvicorn
 
 from toolrl.config import load_config
 from toolrl.models import load_hf_model
-from toolrl.protocol import CONTENT_TYPE, Sample, encode_samples, encode_weight_bucket
+from toolrl.protocol import CONTENT_TYPE, WIRE_VERSION, Sample, encode_samples, encode_weight_bucket
 from toolrl.refserver import reference as reference_mod
 from toolrl.refserver.app import create_app
 from toolrl.refserver.client import AsyncRefServerClient, RefServerClient, RefServerError
@@ -205,7 +205,7 @@ def test_workers_register_expire_and_reregister():
 def test_bad_uploads_are_rejected_and_the_server_keeps_serving(tiny):
     cfg = config(max_upload_bytes=20000, _extra=["grpo.beta=0.04"])
     good = encode_samples([mk(1), mk(2)])
-    wrong_version = good.replace(b'"version":"1"', b'"version":"9"')
+    wrong_version = good.replace(f'"version":"{WIRE_VERSION}"'.encode(), b'"version":"9"')
     assert wrong_version != good
     cases = {
         "garbage": (b"\x00not safetensors at all" * 10, 400, "CorruptPayload"),
