@@ -231,9 +231,10 @@ def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int, 
 
     Each bucket is streamed from the tensors' own memory (no serialised copy); the next bucket's
     header and checksum are computed in a thread while this one is on the wire."""
-    # The biggest buckets first: the worker loads each bucket as the next one arrives, so what
-    # remains after the last byte is loading the last bucket; let that be a small one.
-    buckets = sorted(bucketize(named, bucket_mb << 20), key=lambda b: -sum(t.numel() * t.element_size() for _, t in b))
+    # The worker loads each bucket as the next one arrives: send the smallest first, so loading
+    # starts soonest, then the biggest, so what is left after the last byte is a small load.
+    by_size = sorted(bucketize(named, bucket_mb << 20), key=lambda b: sum(t.numel() * t.element_size() for _, t in b))
+    buckets = by_size[:1] + by_size[:0:-1]
     own = client is None
     client = client or httpx.Client(timeout=timeout_s)
     t0 = time.time()
