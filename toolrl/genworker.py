@@ -8,7 +8,8 @@ Weight updates and versions: a sample is tagged with the policy version its roll
 under, and in-flight rollouts finish on those weights: when the first bucket of an update
 arrives, new rollouts are held back and the in-flight ones drain (aborted and discarded only
 after `rollout.drain_timeout_s`) while the rest arrives; the weights are then loaded in place as
-the buckets land, the prefix cache is reset, and rollouts resume under the new version. So no sample mixes two policies.
+the buckets land, the prefix cache is reset, and rollouts resume under the new version. So no
+sample mixes two policies.
 """
 from __future__ import annotations
 
