@@ -11,7 +11,8 @@
    (learner-side `push_weights`: buckets streamed from the tensors' memory, written to /dev/shm
    as they arrive, loaded while the rest arrives) vs the same engine's in-place reload alone of
    weights already in /dev/shm (the faster of vLLM's whole-file reload and toolrl's bucket-file
-   loader). Ratio of times.
+   loader). Ratio of times. The same worker then takes the same weights by broadcast on a gloo
+   process group (learner.sync_transport: process_group), for comparison.
 
 Last line: JSON with ratio_vs_fwd_bwd and sync_ratio_vs_reload.
 """
@@ -190,6 +191,15 @@ def bench_sync(args, named) -> dict:
                 loads.append(a["reload_s"])
             print(f"  sync v{v}: push {a['push_s']:.2f}s (load while receiving {a['reload_s']:.2f}s, "
                   f"drain {a['drain_s']:.2f}s)", flush=True)
+        # the other transport, same worker: a broadcast on a gloo process group (NCCL on GPUs)
+        from toolrl.broadcast import LearnerGroup
+
+        group, broadcasts = LearnerGroup({"id": "bench", "url": url}, "127.0.0.1", timeout_s=600), []
+        for v in range(args.repeats + 2, 2 * args.repeats + 3):
+            a = group.push(named, v)
+            if v > args.repeats + 2:
+                broadcasts.append(a["push_s"])
+            print(f"  process-group sync v{v}: {a['push_s']:.2f}s", flush=True)
     finally:
         if worker:
             worker.stop()
@@ -198,7 +208,9 @@ def bench_sync(args, named) -> dict:
     base = {k: min(before[k], after[k]) for k in before}
     size = sum(t.numel() * t.element_size() for _, t in named)
     return {"sync_bytes": size, "sync_s": round(min(pushes), 3), "sync_median_s": round(statistics.median(pushes), 3),
-            **base, "sync_ratio_vs_reload": round(min(pushes) / base["reload_s"], 3)}
+            **base, "sync_ratio_vs_reload": round(min(pushes) / base["reload_s"], 3),
+            "process_group_sync_s": round(min(broadcasts), 3),
+            "process_group_ratio_vs_reload": round(min(broadcasts) / base["reload_s"], 3)}
 
 
 def hf_state(args):

@@ -41,7 +41,7 @@ def test_override_types_and_nesting():
     ("learner.steps=-3", "learner.steps=-3"),
     ("learner.steps=many", "learner.steps='many'"),
     ("grpo.loss_type=mean", "grpo.loss_type='mean'"),
-    ("learner.sync_transport=nccl", "learner.sync_transport='nccl'"),  # not built: refused at load
+    ("learner.sync_transport=nccl", "learner.sync_transport='nccl'"),  # it is process_group (NCCL on GPU)
     ("learner.lr", "expected key=value"),
     ("learner.lr.x=1", "learner.lr is not a section"),
 ])

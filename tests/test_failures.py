@@ -32,14 +32,17 @@ def kill(proc: Proc) -> None:
     proc.p.wait(timeout=30)
 
 
-def test_the_run_survives_failures(tmp_path):
+@pytest.mark.parametrize("transport", ["http", "process_group"])
+def test_the_run_survives_failures(tmp_path, transport):
+    """With either weight-sync transport: over a process group, the late joiner gets its own group,
+    the dead worker's group is dropped, and the resumed learner builds new ones."""
     ports = {"ex": free_port(), "ref": free_port()}
     run = tmp_path / "run"
     sets = [f"executor.url=http://127.0.0.1:{ports['ex']}", f"ref_server.url=http://127.0.0.1:{ports['ref']}",
             f"learner.steps={STEPS}", "learner.checkpoint_every=2", "rollout.heartbeat_s=1",
             "ref_server.worker_ttl_s=8", "ref_server.max_staleness=2",
             "ref_server.order=newest", "logging.wandb_mode=disabled",
-            "executor.client_retries=1", "executor.client_timeout_s=5"]
+            "executor.client_retries=1", "executor.client_timeout_s=5", f"learner.sync_transport={transport}"]
     args = ["--config", "configs/cpu_tiny.yaml"] + [x for s in sets for x in ("--set", s)]
     procs: dict[str, Proc] = {}
     metrics = run / "logs" / "metrics.jsonl"

@@ -222,6 +222,37 @@ def test_an_update_cut_off_part_way_holds_rollouts_until_a_whole_one_loads(stack
     assert max(abs(a - b) for a, b in zip(after["logprobs"], expect)) < 1e-3
 
 
+def test_weights_by_broadcast_on_a_process_group(stack, hf):
+    """sync_transport=process_group: the learner broadcasts on a gloo group (NCCL on GPUs) into the
+    engine, no files; the worker's logprobs then equal the learner's weights'. A refused update
+    fails fast instead of waiting out the broadcast timeout."""
+    from toolrl.broadcast import LearnerGroup
+    from toolrl.weights import WeightSyncError
+
+    url = stack["worker"]
+    torch.manual_seed(1)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.add_(torch.randn_like(hf.model.embed_tokens.weight) * 0.01)
+    named = [(n, t.detach().clone()) for n, t in hf.state_dict().items()]
+    v = httpx.get(f"{url}/health").json()["policy_version"] + 1
+    group = LearnerGroup({"id": "w-test", "url": url}, "127.0.0.1", timeout_s=120)
+    assert group.backend == "gloo"
+    answer = group.push(named, v)
+    assert answer["loaded"] and answer["version"] == v
+    prompt = load_tokenizer(stack["cfg"].model.name).encode("The capital of France is")
+    after = _probe(url, prompt)
+    assert after["policy_version"] == v
+    expect = _score(hf, prompt, after["token_ids"])
+    assert max(abs(a - b) for a, b in zip(after["logprobs"], expect)) < 1e-3
+    answer = group.push(named, v + 1)  # the group is kept for the next update
+    assert answer["version"] == v + 1
+
+    t0 = time.time()
+    with pytest.raises(WeightSyncError, match="older"):
+        group.push(named, v)
+    assert time.time() - t0 < 30
+
+
 def test_bad_evaluate_requests_are_refused(stack):
     """POST /evaluate answers a bad task, k or key with one clear 4xx and runs nothing."""
     url = stack["worker"]

@@ -240,9 +240,11 @@ class LearnerConfig(Section):
     share_prompts: bool = True
     logprob_chunk: int = Field(1024, ge=16)
     sync_every: int = Field(1, ge=1)
-    # Bucketed safetensors over HTTP, on CPU and GPU alike. An NCCL transport is not built yet: a
-    # config asking for one is refused when loaded, not when the first push fails.
-    sync_transport: Literal["http"] = "http"
+    # http: bucketed safetensors streamed to each worker (any machine). process_group: broadcast
+    # on a two-rank group per worker, NCCL between GPUs, gloo on CPU (toolrl.broadcast); workers
+    # must reach the learner at sync_host.
+    sync_transport: Literal["http", "process_group"] = "http"
+    sync_host: str = "127.0.0.1"
     sync_bucket_mb: int = Field(64, ge=1)
     sync_timeout_s: float = Field(120.0, gt=0)
     sync_retries: int = Field(3, ge=0)

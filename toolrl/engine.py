@@ -113,6 +113,20 @@ class VllmEngine:
         await self.llm.reset_prefix_cache()
         return time.time() - t0
 
+    async def join_group(self, spec: dict) -> None:
+        """Build this engine's side of the learner's process group (toolrl.broadcast)."""
+        await wait_for(self.llm.collective_rpc("toolrl_join_group", kwargs=spec), spec["timeout_s"] + 10,
+                       "joining the learner's process group")
+
+    async def load_broadcast(self, group_id: str, push_id: str, specs: list, timeout_s: float) -> float:
+        """Receive an update by broadcast and load it in place as it arrives, then drop the prefix cache."""
+        t0 = time.time()
+        await wait_for(self.llm.collective_rpc("toolrl_load_broadcast", kwargs={
+            "group_id": group_id, "push_id": push_id, "specs": specs, "timeout_s": timeout_s}),
+            timeout_s * (len(specs) + 1), "receiving a weight update by broadcast")
+        await self.llm.reset_prefix_cache()
+        return time.time() - t0
+
     async def abort_all(self) -> int:
         ids = list(self.active)
         if ids:

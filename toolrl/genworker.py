@@ -345,14 +345,43 @@ class GenWorker:
         return await asyncio.shield(update.task)  # a dropped connection must not cancel the load
 
     def _start_load(self, update) -> None:
-        update.task = asyncio.create_task(self._load(update))
+        async def load() -> float:
+            return await self.engine.load_buckets(str(update.dir), update.id, update.count,
+                                                  self.cfg.learner.sync_timeout_s)
+
+        async def run() -> dict:
+            try:
+                return await self._swap_weights(update.version, load, lambda: update.aborted)
+            except BaseException:
+                update.abort()
+                raise
+            finally:
+                self.assembler.discard(update)
+
+        update.task = asyncio.create_task(run())
         update.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors reach the last bucket
 
-    async def _load(self, update) -> dict:
+    async def join_group(self, spec: dict) -> None:
+        """Join the learner's process group (sync_transport: process_group)."""
+        await self.engine.join_group(spec)
+
+    async def receive_broadcast(self, group_id: str, version: int, push_id: str, specs: list) -> dict:
+        """A whole update by broadcast over the learner's process group (toolrl.broadcast)."""
+        from .weights import BucketOrderError
+
+        if version < self.version:
+            raise BucketOrderError(f"version {version} is older than the loaded {self.version}")
+
+        async def load() -> float:
+            return await self.engine.load_broadcast(group_id, push_id, specs, self.cfg.learner.sync_timeout_s)
+
+        return await self._swap_weights(version, load)
+
+    async def _swap_weights(self, version: int, load, aborted=lambda: False) -> dict:
         """Hold new rollouts back, drain the in-flight ones (aborted and discarded only after
-        `rollout.drain_timeout_s`), then load the buckets in place as they arrive and bump the
-        version. If the load fails part-way, the weights are a mix: rollouts stay held back and
-        /health says so until a whole update loads."""
+        `rollout.drain_timeout_s`), then `load()` the new weights in place and bump the version.
+        If the load fails part-way, the weights are a mix: rollouts stay held back and /health
+        says so until a whole update loads."""
         from .weights import UpdateAborted
 
         async with self._update_lock:  # an earlier update, superseded, finishes failing first
@@ -360,8 +389,8 @@ class GenWorker:
             t0, loading = time.time(), False
             self.update_phase = "draining"
             try:
-                if update.aborted:
-                    raise UpdateAborted(f"version {update.version} was superseded")
+                if aborted():
+                    raise UpdateAborted(f"version {version} was superseded")
                 try:
                     await asyncio.wait_for(self._idle.wait(), self.cfg.rollout.drain_timeout_s)
                 except asyncio.TimeoutError:
@@ -372,26 +401,23 @@ class GenWorker:
                                 time.time() - t0, len(self._tasks), n)
                     await wait_for(self._idle.wait(), 60, "aborting in-flight rollouts")
                 drain_s = time.time() - t0
-                if update.aborted:
-                    raise UpdateAborted(f"version {update.version} was superseded")
+                if aborted():
+                    raise UpdateAborted(f"version {version} was superseded")
                 loading, self.weights_ok, self.update_phase = True, False, "loading"
-                reload_s = await self.engine.load_buckets(str(update.dir), update.id, update.count,
-                                                          self.cfg.learner.sync_timeout_s)
-                self.version, self.weights_ok = update.version, True
+                reload_s = await load()
+                self.version, self.weights_ok = version, True
                 self.stats.updates += 1
                 self.stats.last_reload_s = reload_s
-                log.info("loaded policy version %d (drain %.2fs, load %.2fs)", update.version, drain_s, reload_s)
-                return {"version": update.version, "loaded": True, "drain_s": drain_s, "reload_s": reload_s,
+                log.info("loaded policy version %d (drain %.2fs, load %.2fs)", version, drain_s, reload_s)
+                return {"version": version, "loaded": True, "drain_s": drain_s, "reload_s": reload_s,
                         "worker_id": self.worker_id}
             except BaseException as exc:
-                update.abort()
                 if loading:
                     log.error("loading version %d failed part-way (%s); no rollouts until a whole update loads",
-                              update.version, exc)
+                              version, exc)
                 raise
             finally:
                 self.update_phase = None
-                self.assembler.discard(update)
                 if self.weights_ok:
                     self._open.set()
 

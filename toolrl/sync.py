@@ -2,9 +2,10 @@
 reference server the new version.
 
 Transport `http` streams safetensors buckets (toolrl.weights.push_weights) and works anywhere,
-CPU included. A worker that fails is retried `sync_retries` times with backoff, then reported
-and remembered: it is brought up to date at the next chance (`catch_up`), so a flaky or late
-worker never silently keeps stale weights.
+CPU included; `process_group` broadcasts on a group per worker (toolrl.broadcast), NCCL on
+GPUs. A worker that fails is retried `sync_retries` times with backoff, then reported and
+remembered: it is brought up to date at the next chance (`catch_up`), so a flaky or late worker
+never silently keeps stale weights.
 """
 from __future__ import annotations
 
@@ -25,12 +26,15 @@ class WeightSync:
         self.failures: dict[str, str] = {}  # worker id -> last error
         self.pushed: dict[tuple[str, str], int] = {}  # (id, url) -> version it confirmed loading
         self.last: dict = {}
+        self.groups: dict[tuple[str, str], object] = {}  # (id, url) -> LearnerGroup (process_group transport)
 
     def _push_one(self, worker: dict, named, version: int) -> dict:
         lc = self.cfg.learner
         err = None
         for attempt in range(lc.sync_retries + 1):
             try:
+                if lc.sync_transport == "process_group":
+                    return self._broadcast(worker, named, version)
                 return push_weights(worker["url"], named, version, token=self.cfg.rollout.token,
                                     bucket_mb=lc.sync_bucket_mb, timeout_s=lc.sync_timeout_s)
             except WeightSyncError as exc:
@@ -39,6 +43,19 @@ class WeightSync:
                             exc)
                 time.sleep(min(5.0, 0.5 * 2 ** attempt))
         raise err  # type: ignore[misc]
+
+    def _broadcast(self, worker: dict, named, version: int) -> dict:
+        from .broadcast import LearnerGroup
+
+        key, lc = (worker["id"], worker["url"]), self.cfg.learner
+        try:
+            if key not in self.groups:
+                self.groups[key] = LearnerGroup(worker, lc.sync_host, token=self.cfg.rollout.token,
+                                                timeout_s=lc.sync_timeout_s)
+            return self.groups[key].push(named, version, drain_s=self.cfg.rollout.drain_timeout_s)
+        except Exception as exc:
+            self.groups.pop(key, None)  # out of step with the worker now: rebuild it at the next try
+            raise exc if isinstance(exc, WeightSyncError) else WeightSyncError(f"{worker['url']}: {exc}") from None
 
     def push(self, named, version: int, workers: list[dict] | None = None) -> dict:
         """Push to the given (default: all live) workers in parallel; report who failed."""
@@ -69,6 +86,7 @@ class WeightSync:
         live = self.ref.workers()
         keys = {(w["id"], w["url"]) for w in live}
         self.pushed = {k: v for k, v in self.pushed.items() if k in keys}  # forget workers that left
+        self.groups = {k: g for k, g in self.groups.items() if k in keys}
         # The registry learns a worker's version from its next heartbeat; what we pushed counts now.
         behind = [w for w in live
                   if max(int(w.get("policy_version", 0)), self.pushed.get((w["id"], w["url"]), 0)) < version]

@@ -41,10 +41,37 @@ def iter_bucket_files(weights_dir: str, update_id: int, count: int, timeout_s: f
 
 
 class WeightLoaderExtension:
-    """Mixed into vLLM's Worker class by `worker_extension_cls`; called through `collective_rpc`."""
+    """Mixed into vLLM's Worker class by `worker_extension_cls`; called through `collective_rpc`.
+    Two ways in: bucket files streamed over HTTP (`toolrl_load_buckets`) and a process group the
+    learner broadcasts on (`toolrl_join_group`, `toolrl_load_broadcast`; toolrl.broadcast)."""
 
     def toolrl_load_buckets(self, weights_dir: str, update_id: int, count: int, timeout_s: float) -> float:
         t0 = time.time()
         self.reload_weights(weights_iterator=iter_bucket_files(weights_dir, update_id, count, timeout_s),
                             is_checkpoint_format=True)
+        return time.time() - t0
+
+    def toolrl_join_group(self, group_id: str, host: str, port: int, rank: int, world_size: int, backend: str,
+                          timeout_s: float) -> None:
+        from .broadcast import make_group
+
+        groups = self.__dict__.setdefault("_toolrl_groups", {})
+        groups.clear()  # one learner at a time: a new group replaces the old one
+        groups[group_id] = make_group(backend, host, port, rank, world_size, group_id, timeout_s)
+
+    def toolrl_load_broadcast(self, group_id: str, push_id: str, specs: list, timeout_s: float) -> float:
+        from .broadcast import ready_key, receive_weights
+
+        group, store = self.__dict__.get("_toolrl_groups", {}).get(group_id, (None, None))
+        if group is None:
+            raise RuntimeError(f"no process group {group_id!r}: join it first")
+        store.set(ready_key(push_id), "1")
+        device = str(self.device) if hasattr(self, "device") else "cpu"
+        t0 = time.time()
+        try:
+            self.reload_weights(weights_iterator=receive_weights(group, specs, device, timeout_s),
+                                is_checkpoint_format=True)
+        except BaseException:
+            self._toolrl_groups.pop(group_id, None)  # out of step with the learner now: never reuse it
+            raise
         return time.time() - t0

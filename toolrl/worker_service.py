@@ -4,10 +4,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from starlette.requests import ClientDisconnect
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import ClientDisconnect
 
 from .config import Config
 from .genworker import GenWorker
@@ -22,6 +23,27 @@ class ProbeRequest(BaseModel):
     prompt_ids: list[int] = Field(min_length=1, max_length=4096)
     max_tokens: int = Field(16, ge=1, le=512)
     seed: int = 0
+
+
+class GroupRequest(BaseModel):
+    """`POST /weight_group`: join the learner's process group as `rank` (toolrl.broadcast)."""
+    model_config = ConfigDict(extra="forbid")
+    group_id: str = Field(min_length=1, max_length=200)
+    host: str
+    port: int = Field(ge=1, le=65535)
+    rank: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    backend: Literal["nccl", "gloo"]
+    timeout_s: float = Field(gt=0, le=3600)
+
+
+class BroadcastUpdate(BaseModel):
+    """`POST /update_weights_broadcast`: the tensors that follow on the group, in order."""
+    model_config = ConfigDict(extra="forbid")
+    group_id: str
+    version: int = Field(ge=0)
+    push_id: str = Field(min_length=1, max_length=200)  # the worker marks it ready in the group's store
+    specs: list[tuple[str, str, list[int]]] = Field(min_length=1)  # [name, torch dtype name, shape]
 
 
 class EvalRequest(BaseModel):
@@ -106,6 +128,34 @@ def build_app(worker: GenWorker) -> FastAPI:
             raise HTTPException(status_code=400, detail="body ended early") from None
         except Exception as exc:
             log.exception("weight load failed")
+            raise HTTPException(status_code=500, detail=f"loading the weight update failed: {exc}") from None
+
+    @app.post("/weight_group", dependencies=[auth])
+    async def weight_group(req: GroupRequest):
+        try:
+            await worker.join_group(req.model_dump())
+        except Exception as exc:
+            log.warning("could not join process group %s: %s", req.group_id, exc)
+            raise HTTPException(status_code=502, detail=f"joining process group {req.group_id} failed: {exc}") from None
+        return {"joined": req.group_id}
+
+    @app.post("/update_weights_broadcast", dependencies=[auth])
+    async def update_weights_broadcast(req: BroadcastUpdate):
+        """A whole weight update received by broadcast on a joined group; answers after the load."""
+        import torch
+
+        from .weights import BucketOrderError
+
+        bad = [d for _, d, _ in req.specs if not isinstance(getattr(torch, d, None), torch.dtype)]
+        if bad:
+            raise HTTPException(status_code=400, detail=f"unknown dtypes {sorted(set(bad))}")
+        try:
+            return await worker.receive_broadcast(req.group_id, req.version, req.push_id,
+                                                  [list(s) for s in req.specs])
+        except BucketOrderError as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+        except Exception as exc:
+            log.exception("weight load by broadcast failed")
             raise HTTPException(status_code=500, detail=f"loading the weight update failed: {exc}") from None
 
     return app
