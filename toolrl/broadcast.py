@@ -19,6 +19,7 @@ the next push.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import datetime
 import itertools
 import os
@@ -84,12 +85,43 @@ def broadcast(group, tensor: torch.Tensor, timeout_s: float, give_up=None) -> No
     work.wait()  # raises the collective's own error, if any
 
 
-def receive_weights(group, specs: list, device: str, timeout_s: float):
-    """Rank 1: (name, tensor) for each [name, dtype, shape] of `specs`, received in that order."""
-    for name, dtype, shape in specs:
-        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        broadcast(group, t, timeout_s)
-        yield name, t
+def receive_weights(group, specs: list, device: str, timeout_s: float, ahead: int = 8):
+    """Rank 1: (name, tensor) for each [name, dtype, shape] of `specs`, received in that order.
+    A thread receives up to `ahead` tensors ahead of the consumer, so receiving overlaps the
+    engine's loading (measured on CPU: 2.2 s per sync received in line with loading)."""
+    import queue
+
+    q: queue.Queue = queue.Queue(maxsize=ahead)
+    stop = threading.Event()
+
+    def receive():
+        try:
+            for name, dtype, shape in specs:
+                t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                broadcast(group, t, timeout_s)
+                while not stop.is_set():
+                    try:
+                        q.put((name, t), timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        except BaseException as exc:  # handed to the consumer, which raises it
+            with contextlib.suppress(queue.Full):
+                q.put(exc, timeout=timeout_s)
+
+    thread = threading.Thread(target=receive, daemon=True, name="toolrl-receive-weights")
+    thread.start()
+    try:
+        for _ in specs:
+            item = q.get(timeout=timeout_s + 5)
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=timeout_s)
 
 
 def _free_port(host: str) -> int:
