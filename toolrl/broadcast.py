@@ -23,7 +23,6 @@ import contextlib
 import datetime
 import itertools
 import os
-import socket
 import threading
 import time
 
@@ -124,12 +123,6 @@ def receive_weights(group, specs: list, device: str, timeout_s: float, ahead: in
         thread.join(timeout=timeout_s)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 _ids = itertools.count()
 
 
@@ -144,9 +137,9 @@ class LearnerGroup:
         self.backend, self.timeout_s = backend or default_backend(), timeout_s
         self.device = f"cuda:{torch.cuda.current_device()}" if self.backend == "nccl" else "cpu"
         self.group_id = f"{os.getpid()}-{next(_ids)}-{time.time_ns()}"
-        port = _free_port(host)
-        self.store = dist.TCPStore(host, port, 2, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                                   wait_for_workers=False)
+        self.store = dist.TCPStore(host, 0, 2, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                                   wait_for_workers=False)  # port 0: the OS picks a free one
+        port = self.store.port
         spec = {"group_id": self.group_id, "host": host, "port": port, "rank": 1, "world_size": 2,
                 "backend": self.backend, "timeout_s": timeout_s}
         # Both ranks must be inside the rendezvous at once: rank 0 waits for it in a thread, and if
