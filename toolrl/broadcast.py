@@ -87,7 +87,7 @@ def broadcast(group, tensor: torch.Tensor, timeout_s: float, give_up=None) -> No
 def receive_weights(group, specs: list, device: str, timeout_s: float, ahead: int = 8):
     """Rank 1: (name, tensor) for each [name, dtype, shape] of `specs`, received in that order.
     A thread receives up to `ahead` tensors ahead of the consumer, so receiving overlaps the
-    engine's loading (measured on CPU: 2.2 s per sync received in line with loading)."""
+    engine's loading (on CPU, 651 MB: 1.92 s, against 2.21 s received in line with loading)."""
     import queue
 
     q: queue.Queue = queue.Queue(maxsize=ahead)
