@@ -132,10 +132,8 @@ def bench_reload(args, named) -> dict:
     from toolrl.models import resolve_model
 
     cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}"])
-    d = Path(tempfile.mkdtemp(prefix="bench-reload-", dir="/dev/shm"))
+    d = Path(tempfile.mkdtemp(prefix="bench-reload-", dir="/dev/shm"))  # RAM: removed in the finally below
     one = d / "whole"
-    one.mkdir()
-    save_file({n: t for n, t in named}, str(one / "model.safetensors"))
 
     async def run():
         engine = VllmEngine(cfg, resolve_model(args.model))
@@ -157,6 +155,8 @@ def bench_reload(args, named) -> dict:
             engine.shutdown()
 
     try:
+        one.mkdir()
+        save_file({n: t for n, t in named}, str(one / "model.safetensors"))
         whole, buckets = asyncio.run(run())
     finally:
         import shutil
