@@ -171,12 +171,17 @@ def test_a_bad_bucket_aborts_its_update_and_a_new_update_supersedes(tmp_path):
 
 
 def test_oversized_bucket_stops_at_the_limit(tmp_path):
+    """Both bounds hold: a whole update's, and one bucket's (a body sent without Content-Length
+    must not grow past MAX_WEIGHTS_BYTES just because the update's limit is larger)."""
     body = _bodies(_named(), version=1, bucket_bytes=1 << 20)[0]
-    a = WeightAssembler(tmp_path / "w", max_bytes=len(body) - 1)
+    by_update = WeightAssembler(tmp_path / "w", max_bytes=len(body) - 1)
+    by_bucket = WeightAssembler(tmp_path / "b", max_bytes=1 << 30, max_bucket_bytes=len(body) - 1)
 
     async def run():
-        with pytest.raises(PayloadTooLarge):
-            await a.receive(_chunks(body), 0)
+        for a in (by_update, by_bucket):
+            with pytest.raises(PayloadTooLarge):
+                await a.receive(_chunks(body), 0)
+            assert a.update is None or a.update.aborted
 
     asyncio.run(run())
 

@@ -28,7 +28,8 @@ from typing import AsyncIterator, Callable, Iterator
 import httpx
 import torch
 
-from .protocol import CONTENT_TYPE, WeightBucket, WeightBucketReader, bucketize, frame_weight_bucket
+from .protocol import (CONTENT_TYPE, MAX_WEIGHTS_BYTES, WeightBucket, WeightBucketReader, bucketize,
+                       frame_weight_bucket)
 from .service import auth_headers
 
 
@@ -133,10 +134,12 @@ class WeightAssembler:
     updates, so they take as much RAM as the weights (in /dev/shm; the directory's name ends in
     `-{pid}` so `remove_stale_weight_dirs` can remove it once its worker is gone)."""
 
-    def __init__(self, out_dir: str | Path, max_bytes: int = 64 << 30, wait_s: float = 600.0):
+    def __init__(self, out_dir: str | Path, max_bytes: int = 64 << 30, wait_s: float = 600.0,
+                 max_bucket_bytes: int = MAX_WEIGHTS_BYTES):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.max_bytes, self.wait_s = max_bytes, wait_s
+        self.max_bytes, self.wait_s = max_bytes, wait_s  # max_bytes: a whole update
+        self.max_bucket_bytes = min(max_bucket_bytes, max_bytes)
         self.update: Update | None = None
         self._ids = itertools.count(1)
         self._slots: dict[int, _Slot] = {}
@@ -177,7 +180,7 @@ class WeightAssembler:
             slot.map[pos:pos + len(data)] = data
             pos += len(data)
 
-        reader = WeightBucketReader(sink, self.max_bytes)
+        reader = WeightBucketReader(sink, self.max_bucket_bytes)
         try:
             async for chunk in chunks:
                 if update is None:
