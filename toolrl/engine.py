@@ -103,15 +103,19 @@ class VllmEngine:
         stop = o.stop_reason if isinstance(o.stop_reason, str) else None
         return GenOut(toks, lps, o.text, o.finish_reason or "abort", stop)
 
-    async def load_buckets(self, weights_dir: str, update_id: int, count: int, timeout_s: float) -> float:
-        """Load an update in place from its buckets as they land in `weights_dir` (toolrl.vllm_ext),
-        then drop the prefix cache, whose KV came from the old weights."""
+    async def _load(self, method: str, kwargs: dict, timeout_s: float, what: str) -> float:
+        """Run one of toolrl.vllm_ext's in-place loads, then drop the prefix cache, whose KV came
+        from the old weights. Returns the seconds taken."""
         t0 = time.time()
-        await wait_for(self.llm.collective_rpc("toolrl_load_buckets", kwargs={
-            "weights_dir": weights_dir, "update_id": update_id, "count": count, "timeout_s": timeout_s}),
-            timeout_s * (count + 1), "loading a weight update")
+        await wait_for(self.llm.collective_rpc(method, kwargs=kwargs), timeout_s, what)
         await self.llm.reset_prefix_cache()
         return time.time() - t0
+
+    async def load_buckets(self, weights_dir: str, update_id: int, count: int, timeout_s: float) -> float:
+        """Load an update in place from its buckets as they land in `weights_dir`."""
+        return await self._load("toolrl_load_buckets", {"weights_dir": weights_dir, "update_id": update_id,
+                                                        "count": count, "timeout_s": timeout_s},
+                                timeout_s * (count + 1), "loading a weight update")
 
     async def join_group(self, spec: dict) -> None:
         """Build this engine's side of the learner's process group (toolrl.broadcast)."""
@@ -119,13 +123,10 @@ class VllmEngine:
                        "joining the learner's process group")
 
     async def load_broadcast(self, group_id: str, push_id: str, specs: list, timeout_s: float) -> float:
-        """Receive an update by broadcast and load it in place as it arrives, then drop the prefix cache."""
-        t0 = time.time()
-        await wait_for(self.llm.collective_rpc("toolrl_load_broadcast", kwargs={
-            "group_id": group_id, "push_id": push_id, "specs": specs, "timeout_s": timeout_s}),
-            timeout_s * (len(specs) + 1), "receiving a weight update by broadcast")
-        await self.llm.reset_prefix_cache()
-        return time.time() - t0
+        """Receive an update by broadcast and load it in place as it arrives."""
+        return await self._load("toolrl_load_broadcast", {"group_id": group_id, "push_id": push_id,
+                                                          "specs": specs, "timeout_s": timeout_s},
+                                timeout_s * (len(specs) + 1), "receiving a weight update by broadcast")
 
     async def abort_all(self) -> int:
         ids = list(self.active)
