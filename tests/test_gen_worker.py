@@ -173,6 +173,21 @@ def test_bad_weight_updates_are_refused(stack):
     r = httpx.post(f"{url}/update_weights", content=old, headers={"Content-Type": CONTENT_TYPE})
     assert r.status_code == 409 and "older" in r.text
     assert httpx.get(f"{url}/health").status_code == 200
+    # the process-group endpoints: every bad request is refused before the drain, weights untouched
+    v = httpx.get(f"{url}/health").json()["policy_version"] + 1
+    spec = {"group_id": "nosuch", "version": v, "push_id": "p", "specs": [["model.norm.weight", "float32", [576]]]}
+    for body, code, words in (({**spec, "specs": [["w", "float99", [2]]]}, 400, "unknown dtypes"),
+                              ({**spec, "specs": [["w", "float32", [-1]]]}, 400, "negative dimensions"),
+                              ({**spec, "specs": []}, 422, "specs"),
+                              ({**spec, "bogus": 1}, 422, "bogus"),
+                              (spec, 409, "join it first")):
+        r = httpx.post(f"{url}/update_weights_broadcast", json=body, timeout=30)
+        assert r.status_code == code and words in r.text, (body, r.status_code, r.text)
+    r = httpx.post(f"{url}/weight_group", json={"group_id": "g", "host": "127.0.0.1", "port": 1, "rank": 1,
+                                                "world_size": 2, "backend": "mpi", "timeout_s": 5}, timeout=30)
+    assert r.status_code == 422 and "backend" in r.text
+    h = httpx.get(f"{url}/health").json()
+    assert h["weights_ok"] is True and h["policy_version"] == v - 1
 
 
 def _health_when(url, cond, timeout_s=120):

@@ -129,6 +129,7 @@ class GenWorker:
         self.version = 0
         self.weights_ok = True  # False after a load failed part-way: the weights are a mix
         self.update_phase: str | None = None  # "draining" | "loading" while an update is under way
+        self.weight_group: str | None = None  # the learner's process group joined (toolrl.broadcast)
         self.stats = Stats()
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -362,8 +363,10 @@ class GenWorker:
         update.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors reach the last bucket
 
     async def join_group(self, spec: dict) -> None:
-        """Join the learner's process group (sync_transport: process_group)."""
+        """Join the learner's process group (sync_transport: process_group); it replaces any other."""
+        self.weight_group = None
         await self.engine.join_group(spec)
+        self.weight_group = spec["group_id"]
 
     async def receive_broadcast(self, group_id: str, version: int, push_id: str, specs: list) -> dict:
         """A whole update by broadcast over the learner's process group (toolrl.broadcast)."""
@@ -371,6 +374,8 @@ class GenWorker:
 
         if version < self.version:
             raise BucketOrderError(f"version {version} is older than the loaded {self.version}")
+        if group_id != self.weight_group:  # refused before the drain: the weights stay whole
+            raise BucketOrderError(f"not a member of process group {group_id!r}: join it first")
 
         async def load() -> float:
             return await self.engine.load_broadcast(group_id, push_id, specs, self.cfg.learner.sync_timeout_s)

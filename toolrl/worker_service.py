@@ -146,9 +146,13 @@ def build_app(worker: GenWorker) -> FastAPI:
 
         from .weights import BucketOrderError
 
+        # checked here, before the drain: a bad spec found while loading would leave the weights a mix
         bad = [d for _, d, _ in req.specs if not isinstance(getattr(torch, d, None), torch.dtype)]
         if bad:
             raise HTTPException(status_code=400, detail=f"unknown dtypes {sorted(set(bad))}")
+        bad = [n for n, _, shape in req.specs if any(x < 0 for x in shape)]
+        if bad:
+            raise HTTPException(status_code=400, detail=f"negative dimensions in the shapes of {bad[:5]}")
         try:
             return await worker.receive_broadcast(req.group_id, req.version, req.push_id,
                                                   [list(s) for s in req.specs])
