@@ -2,8 +2,11 @@
 # launch.sh: the whole system on one node: executor, reference server, N gen workers, learner.
 #
 #   ./launch.sh --config configs/cpu_demo.yaml [--workers N] [--run-dir DIR] [--set k=v ...]
-#               [--ref-gpu 0] [--worker-gpus 1,2,3] [--learner-gpus 4,5,6,7] [--resume]
+#               [--ref-gpu 0] [--worker-gpus 1,2,3] [--learner-gpus 4,5,6,7] [--share-gpus]
+#               [--resume] [--dry-run]
 #
+# GPU placement comes from the config's `launch` section; the flags override it. With no GPUs
+# listed everything runs on the CPU. --dry-run prints where each process would run and exits.
 # Every process gets its own log in the run directory and its own process group. Ctrl-C, or
 # the death of the learner or the reference server, stops everything this script started. The
 # executor is restarted if it dies; a dead gen worker is reported and the others carry on.
@@ -19,33 +22,48 @@ PY=${PYTHON:-.venv/bin/python}
 
 CONFIG=configs/cpu_demo.yaml
 RUN_DIR=""
-WORKERS=1
 RESUME=""
-REF_GPU=""
-WORKER_GPUS=""
-LEARNER_GPUS=""
+DRY_RUN=""
 SETS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG=$2; shift 2 ;;
     --run-dir) RUN_DIR=$2; shift 2 ;;
-    --workers) WORKERS=$2; shift 2 ;;
     --set) SETS+=(--set "$2"); shift 2 ;;
+    --workers) SETS+=(--set "launch.workers=$2"); shift 2 ;;
+    --ref-gpu) SETS+=(--set "launch.ref_gpu=$2"); shift 2 ;;
+    --worker-gpus) SETS+=(--set "launch.worker_gpus=$2"); shift 2 ;;
+    --learner-gpus) SETS+=(--set "launch.learner_gpus=$2"); shift 2 ;;
+    --share-gpus) SETS+=(--set "launch.share_gpus=true"); shift ;;
     --resume) RESUME=--resume; shift ;;
-    --ref-gpu) REF_GPU=$2; shift 2 ;;
-    --worker-gpus) WORKER_GPUS=$2; shift 2 ;;
-    --learner-gpus) LEARNER_GPUS=$2; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 RUN_DIR=${RUN_DIR:-runs/$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$RUN_DIR/logs"
-RUN_DIR=$(cd "$RUN_DIR" && pwd)
 
-get() { "$PY" config.py --config "$CONFIG" "${SETS[@]}" --get "$1"; }
-"$PY" config.py --config "$CONFIG" "${SETS[@]}" --print > "$RUN_DIR/config.yaml"  # validates first
-EX_PORT=$(get executor.port); REF_PORT=$(get ref_server.port); W_PORT=$(get rollout.port)
+# One validation of the whole config (a bad key or placement exits here with one line), then
+# the values this script needs, one per line.
+mapfile -t V < <("$PY" config.py --config "$CONFIG" "${SETS[@]}" --get executor.port --get ref_server.port \
+  --get rollout.port --get launch.workers --get launch.ref_gpu --get launch.worker_gpus \
+  --get launch.learner_gpus --get model.name || echo FAILED)
+[ "${V[-1]}" = FAILED ] && exit 2
+EX_PORT=${V[0]}; REF_PORT=${V[1]}; W_PORT=${V[2]}; WORKERS=${V[3]}
+REF_GPU=${V[4]}; WORKER_GPUS=${V[5]}; LEARNER_GPUS=${V[6]}; MODEL=${V[7]}
+if [ -z "$DRY_RUN" ] && [ -n "$REF_GPU$WORKER_GPUS$LEARNER_GPUS" ]; then  # every GPU named must exist
+  NGPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  for g in ${REF_GPU} ${WORKER_GPUS//,/ } ${LEARNER_GPUS//,/ }; do
+    if [ "$g" -ge "$NGPUS" ]; then
+      echo "launch.sh: GPU $g is assigned but this node has $NGPUS GPU(s) (nvidia-smi -L)" >&2; exit 2
+    fi
+  done
+fi
+if [ -z "$DRY_RUN" ]; then
+  mkdir -p "$RUN_DIR/logs"
+  RUN_DIR=$(cd "$RUN_DIR" && pwd)
+  "$PY" config.py --config "$CONFIG" "${SETS[@]}" --print > "$RUN_DIR/config.yaml"
+fi
 SETS+=(--set "executor.url=http://127.0.0.1:$EX_PORT" --set "ref_server.url=http://127.0.0.1:$REF_PORT")
 COMMON=(--config "$CONFIG" "${SETS[@]}")
 
@@ -68,6 +86,9 @@ trap 'stop_all' EXIT
 
 start() {  # start NAME GPUS CMD...: its own session (process group) and log file
   local name=$1 gpus=$2; shift 2
+  if [ -n "$DRY_RUN" ]; then
+    printf '  %-13s %-24s %s\n' "$name" "${gpus:+CUDA_VISIBLE_DEVICES=$gpus}" "$*"; return 0
+  fi
   if [ -n "$gpus" ]; then export CUDA_VISIBLE_DEVICES=$gpus; else unset CUDA_VISIBLE_DEVICES; fi
   setsid "$@" > "$RUN_DIR/logs/$name.log" 2>&1 < /dev/null &
   PIDS[$name]=$!
@@ -75,6 +96,7 @@ start() {  # start NAME GPUS CMD...: its own session (process group) and log fil
 }
 
 wait_health() {  # wait_health NAME URL TIMEOUT_S
+  [ -n "$DRY_RUN" ] && return 0
   local name=$1 url=$2 deadline=$(( $(date +%s) + $3 ))
   until "$PY" -c "import httpx,sys; sys.exit(httpx.get('$url', timeout=2).status_code != 200)" 2>/dev/null; do
     if ! kill -0 "${PIDS[$name]}" 2>/dev/null; then
@@ -87,10 +109,13 @@ wait_health() {  # wait_health NAME URL TIMEOUT_S
   echo "  $name ready ($url)"
 }
 
-echo "run directory: $RUN_DIR"
-"$PY" -m toolrl.models --model "$(get model.name)" --path-only > "$RUN_DIR/logs/model.log" 2>&1 \
-  || { echo "launch.sh: model preparation failed:" >&2; tail -n 20 "$RUN_DIR/logs/model.log" >&2; exit 1; }
-
+if [ -n "$DRY_RUN" ]; then
+  echo "dry run: where each process would run (nothing is started; run directory $RUN_DIR)"
+else
+  echo "run directory: $RUN_DIR"
+  "$PY" -m toolrl.models --model "$MODEL" --path-only > "$RUN_DIR/logs/model.log" 2>&1 \
+    || { echo "launch.sh: model preparation failed:" >&2; tail -n 20 "$RUN_DIR/logs/model.log" >&2; exit 1; }
+fi
 start executor "" "$PY" executor_service.py "${COMMON[@]}" --port "$EX_PORT"
 start ref_server "$REF_GPU" "$PY" ref_server.py "${COMMON[@]}" --port "$REF_PORT"
 wait_health executor "http://127.0.0.1:$EX_PORT/health" 120
@@ -106,14 +131,14 @@ for i in $(seq 0 $((WORKERS - 1))); do
 done
 # The learner starts while the workers load their engines (its imports and DeepSpeed set-up take
 # minutes on a small CPU); it waits for a registered worker before its first evaluation or batch.
-if [ -n "$LEARNER_GPUS" ]; then
-  NGPU=$(awk -F, '{print NF}' <<< "$LEARNER_GPUS")
+if [ -n "$LEARNER_GPUS" ]; then  # deepspeed sets each rank's device itself
   start learner "" "$(dirname "$PY")/deepspeed" --include "localhost:$LEARNER_GPUS" --master_port $((REF_PORT + 1000)) \
     learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME
 else  # CPU: one rank on DeepSpeed's CPU accelerator
   start learner "" "$(dirname "$PY")/deepspeed" --num_gpus 1 --master_port $((REF_PORT + 1000)) \
     learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME
 fi
+[ -n "$DRY_RUN" ] && exit 0
 for i in $(seq 0 $((WORKERS - 1))); do wait_health "gen_worker_$i" "http://127.0.0.1:$((W_PORT + i))/health" 900; done
 
 cat <<EOF

@@ -82,3 +82,27 @@ def test_cli_print_and_error():
     lines = bad.stderr.strip().splitlines()
     assert lines == ["config error: unknown key 'learner.lrr' (value 1)"]
     assert bad.stdout == ""
+
+
+def test_launch_placement():
+    cfg = load_config(ROOT / "configs/gpu_qwen25_math_1p5b_gsm8k_8gpu.yaml")
+    assert (cfg.launch.ref_gpu, cfg.launch.worker_gpus, cfg.launch.learner_gpus) == (0, [1, 2, 3], [4, 5, 6, 7])
+    assert cfg.launch.workers == 3  # one per worker GPU when not given
+    cfg = load_config(None, ["launch.worker_gpus=2,5", "launch.learner_gpus=0"])  # the flags' form
+    assert cfg.launch.worker_gpus == [2, 5] and cfg.launch.learner_gpus == [0] and cfg.launch.workers == 2
+    assert load_config(None).launch.workers == 1 and load_config(None).launch.worker_gpus == []
+    with pytest.raises(ConfigError, match=r"GPU \[0\] is given to both the reference model and the learner"):
+        load_config(None, ["launch.ref_gpu=0", "launch.learner_gpus=0,1"])
+    shared = load_config(None, ["launch.ref_gpu=0", "launch.learner_gpus=0,1", "launch.share_gpus=true"])
+    assert shared.launch.learner_gpus == [0, 1]
+    # what launch.sh writes to RUN_DIR/config.yaml loads again unchanged
+    again = load_config(None, [f"launch={yaml.safe_dump(cfg.launch.model_dump(), default_flow_style=True).strip()}"])
+    assert again.launch == cfg.launch
+
+
+def test_cli_get_for_shell():
+    out = subprocess.run([sys.executable, "config.py", "--config", "configs/gpu_qwen25_math_1p5b_gsm8k_8gpu.yaml",
+                          "--get", "launch.learner_gpus", "--get", "launch.ref_gpu", "--get", "rollout.port",
+                          "--set", "launch.ref_gpu=null"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n") == ["4,5,6,7", "", "8300", ""]

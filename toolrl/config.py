@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -279,6 +279,54 @@ class LoggingConfig(Section):
     dump_samples: bool = False  # the learner writes every trained sample to logs/samples.jsonl
 
 
+class LaunchConfig(Section):
+    """Where launch.sh puts each process on one node. Its flags (--workers, --ref-gpu,
+    --worker-gpus, --learner-gpus) set these keys; with no GPUs listed everything runs on the CPU."""
+
+    workers: int = Field(1, ge=1)  # gen workers; default: one per worker GPU when those are listed
+    ref_gpu: int | None = Field(None, ge=0)  # the reference model's GPU
+    worker_gpus: list[int] = Field(default_factory=list)  # gen worker i gets worker_gpus[i]
+    learner_gpus: list[int] = Field(default_factory=list)  # deepspeed --include localhost:<these>
+    # Allow two processes on one GPU (or more workers than worker GPUs). Off, because vLLM takes
+    # rollout.gpu_memory_utilization of each GPU it is given and the learner needs the rest.
+    share_gpus: bool = False
+
+    @field_validator("worker_gpus", "learner_gpus", mode="before")
+    @classmethod
+    def _gpu_list(cls, v: Any) -> Any:  # the flags' form: "1,2,3" (or one id)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return [v]
+        if isinstance(v, str):
+            try:
+                return [int(x) for x in v.split(",") if x.strip()]
+            except ValueError:
+                raise ValueError(f"expected GPU ids like 1,2,3, got {v!r}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _placement(self) -> "LaunchConfig":
+        for name in ("worker_gpus", "learner_gpus"):
+            ids = getattr(self, name)
+            if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+                raise ValueError(f"launch.{name} {ids}: GPU ids must be distinct and >= 0")
+        if self.worker_gpus and "workers" not in self.model_fields_set:
+            object.__setattr__(self, "workers", len(self.worker_gpus))
+        if self.share_gpus:
+            return self
+        if self.worker_gpus and self.workers != len(self.worker_gpus):
+            raise ValueError(f"launch.workers={self.workers} but launch.worker_gpus lists {len(self.worker_gpus)} "
+                             "GPUs: give one GPU per worker (or set launch.share_gpus=true)")
+        users = {"reference model": [] if self.ref_gpu is None else [self.ref_gpu],
+                 "gen workers": self.worker_gpus, "learner": self.learner_gpus}
+        names = list(users)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                if common := sorted(set(users[a]) & set(users[b])):
+                    raise ValueError(f"GPU {common} is given to both the {a} and the {b}; set "
+                                     "launch.share_gpus=true if they fit together")
+        return self
+
+
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -292,6 +340,7 @@ class Config(Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
@@ -341,10 +390,11 @@ def _format_error(err: ValidationError, overrides: dict[str, Any]) -> str:
     key = ".".join(str(p) for p in e["loc"]) or "<root>"
     if e["type"] == "extra_forbidden":
         return f"config error: unknown key '{key}' (value {e['input']!r})"
+    msg = e["msg"].removeprefix("Value error, ")
     value = overrides.get(key, e.get("input"))
-    if isinstance(value, dict):
-        value = "{...}"
-    return f"config error: {key}={value!r}: {e['msg']}"
+    if isinstance(value, dict):  # a check across a section's keys: the message names them
+        return f"config error: {key}: {msg}"
+    return f"config error: {key}={value!r}: {msg}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

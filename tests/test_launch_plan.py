@@ -1,0 +1,101 @@
+"""launch.sh's placement of the five processes, checked with --dry-run (nothing is started).
+
+The GPU runs themselves need a multi-GPU node; this checks what each process would be given:
+CUDA_VISIBLE_DEVICES for the reference server and each gen worker, deepspeed's --include for the
+learner, from the config's `launch` section or the flags that override it."""
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU8 = "configs/gpu_qwen25_math_1p5b_gsm8k_8gpu.yaml"
+
+
+def launch(*args, run_dir=None):
+    cmd = ["bash", "launch.sh", *args]
+    if run_dir is not None:
+        cmd += ["--run-dir", str(run_dir)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def plan(*args, tmp_path):
+    """{process: (CUDA_VISIBLE_DEVICES or None, command)} from a dry run; nothing may be created."""
+    run_dir = tmp_path / "run"
+    out = launch(*args, "--dry-run", run_dir=run_dir)
+    assert out.returncode == 0, out.stderr
+    assert not run_dir.exists(), "a dry run created the run directory"
+    procs = {}
+    for line in out.stdout.splitlines()[1:]:
+        m = re.match(r"\s+(\S+)\s+(?:CUDA_VISIBLE_DEVICES=(\S+)\s+)?(.*)$", line)
+        assert m, line
+        procs[m[1]] = (m[2], m[3])
+    return procs
+
+
+def test_eight_gpu_config_places_each_process(tmp_path):
+    p = plan("--config", GPU8, tmp_path=tmp_path)
+    assert set(p) == {"executor", "ref_server", "gen_worker_0", "gen_worker_1", "gen_worker_2", "learner"}
+    assert p["executor"][0] is None  # model-written code never gets a GPU
+    assert p["ref_server"][0] == "0"
+    assert [p[f"gen_worker_{i}"][0] for i in range(3)] == ["1", "2", "3"]
+    gpus, cmd = p["learner"]
+    assert gpus is None and "--include localhost:4,5,6,7" in cmd and "learner.py" in cmd  # deepspeed sets ranks' devices
+    assert [re.search(r"--port (\d+)", p[f"gen_worker_{i}"][1])[1] for i in range(3)] == ["8300", "8301", "8302"]
+
+
+def test_flags_override_the_config(tmp_path):
+    p = plan("--config", GPU8, "--ref-gpu", "7", "--worker-gpus", "0,1", "--learner-gpus", "2,3,4,5", tmp_path=tmp_path)
+    assert p["ref_server"][0] == "7"
+    assert sorted(k for k in p if k.startswith("gen_worker")) == ["gen_worker_0", "gen_worker_1"]
+    assert (p["gen_worker_0"][0], p["gen_worker_1"][0]) == ("0", "1")
+    assert "--include localhost:2,3,4,5" in p["learner"][1]
+    # every process is told the same placement, so run-dir config.yaml records it
+    assert all("launch.worker_gpus=0,1" in cmd for _, cmd in p.values())
+
+
+def test_cpu_default_and_cpu_workers_pinned(tmp_path):
+    p = plan(tmp_path=tmp_path)  # configs/cpu_demo.yaml
+    assert set(p) == {"executor", "ref_server", "gen_worker_0", "learner"}
+    assert all(gpus is None for gpus, _ in p.values())
+    assert "--num_gpus 1" in p["learner"][1]
+    p = plan("--workers", "2", tmp_path=tmp_path)
+    assert "rollout.cpu_threads_bind=0" in p["gen_worker_0"][1] and "rollout.cpu_threads_bind=1" in p["gen_worker_1"][1]
+
+
+def test_shared_gpus_only_when_asked(tmp_path):
+    out = launch("--config", GPU8, "--learner-gpus", "3,4", "--dry-run")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "config error: launch: GPU [3] is given to both the gen workers and the learner; "
+        "set launch.share_gpus=true if they fit together"]
+    assert out.stdout == ""
+    p = plan("--config", GPU8, "--learner-gpus", "3,4", "--share-gpus", tmp_path=tmp_path)
+    assert p["gen_worker_2"][0] == "3" and "--include localhost:3,4" in p["learner"][1]
+    # more workers than GPUs: round robin, only with share_gpus
+    p = plan("--config", GPU8, "--workers", "5", "--share-gpus", tmp_path=tmp_path)
+    assert [p[f"gen_worker_{i}"][0] for i in range(5)] == ["1", "2", "3", "1", "2"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--worker-gpus", "a,b"], "launch.worker_gpus='a,b': expected GPU ids like 1,2,3"),
+    (["--ref-gpu", "-1"], "launch.ref_gpu=-1"),
+    (["--learner-gpus", "4,4"], "GPU ids must be distinct"),
+    (["--workers", "2"], "launch.workers=2 but launch.worker_gpus lists 3 GPUs"),
+])
+def test_bad_placement_is_one_clear_error(args, needle, tmp_path):
+    run_dir = tmp_path / "run"
+    out = launch("--config", GPU8, *args, run_dir=run_dir)  # not a dry run: it must stop before starting
+    assert out.returncode == 2, out.stdout
+    assert needle in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not run_dir.exists()
+
+
+def test_gpus_that_are_not_there_are_refused(tmp_path):
+    # on this CPU machine nvidia-smi finds none; on a GPU node, GPU 99 is not there either
+    run_dir = tmp_path / "run"
+    out = launch("--worker-gpus", "99", run_dir=run_dir)
+    assert out.returncode == 2
+    assert "GPU 99 is assigned but this node has" in out.stderr
+    assert not run_dir.exists()
