@@ -37,7 +37,7 @@ while [ $# -gt 0 ]; do
     --share-gpus) SETS+=(--set "launch.share_gpus=true"); shift ;;
     --resume) RESUME=--resume; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
