@@ -51,13 +51,30 @@ mapfile -t V < <("$PY" config.py --config "$CONFIG" "${SETS[@]}" --get executor.
 [ "${V[-1]}" = FAILED ] && exit 2
 EX_PORT=${V[0]}; REF_PORT=${V[1]}; W_PORT=${V[2]}; WORKERS=${V[3]}
 REF_GPU=${V[4]}; WORKER_GPUS=${V[5]}; LEARNER_GPUS=${V[6]}; MODEL=${V[7]}
-if [ -z "$DRY_RUN" ] && [ -n "$REF_GPU$WORKER_GPUS$LEARNER_GPUS" ]; then  # every GPU named must exist
-  NGPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+# GPU ids count within what this node gives us: if CUDA_VISIBLE_DEVICES is already set (a batch
+# scheduler's allocation), id i is its i-th entry; every id named must exist.
+OUTER=${CUDA_VISIBLE_DEVICES-}; OUTER_SET=${CUDA_VISIBLE_DEVICES+1}  # set but empty: no GPU
+if [ -n "$REF_GPU$WORKER_GPUS$LEARNER_GPUS" ]; then
+  if [ -n "$OUTER_SET" ]; then
+    IFS=, read -r -a OUTER_IDS <<< "$OUTER"; NGPUS=${#OUTER_IDS[@]}; HAVE="CUDA_VISIBLE_DEVICES=$OUTER lists"
+  elif [ -z "$DRY_RUN" ]; then
+    NGPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); HAVE="nvidia-smi -L lists"
+  else
+    NGPUS=""
+  fi
   for g in ${REF_GPU} ${WORKER_GPUS//,/ } ${LEARNER_GPUS//,/ }; do
-    if [ "$g" -ge "$NGPUS" ]; then
-      echo "launch.sh: GPU $g is assigned but this node has $NGPUS GPU(s) (nvidia-smi -L)" >&2; exit 2
+    if [ -n "$NGPUS" ] && [ "$g" -ge "$NGPUS" ]; then
+      echo "launch.sh: GPU $g is assigned but $HAVE $NGPUS GPU(s)" >&2; exit 2
     fi
   done
+  if [ -n "$OUTER_SET" ]; then
+    physical() { local out=() g; for g in ${1//,/ }; do out+=("${OUTER_IDS[$g]}"); done; (IFS=,; echo "${out[*]}"); }
+    REF_GPU=$(physical "$REF_GPU"); WORKER_GPUS=$(physical "$WORKER_GPUS"); LEARNER_GPUS=$(physical "$LEARNER_GPUS")
+    if [ -n "$LEARNER_GPUS" ] && ! [[ $LEARNER_GPUS =~ ^[0-9,]+$ ]]; then
+      echo "launch.sh: deepspeed --include needs GPU indices, but CUDA_VISIBLE_DEVICES=$OUTER names GPUs otherwise" >&2
+      exit 2
+    fi
+  fi
 fi
 if [ -z "$DRY_RUN" ]; then
   mkdir -p "$RUN_DIR/logs"
@@ -89,10 +106,12 @@ start() {  # start NAME GPUS CMD...: its own session (process group) and log fil
   if [ -n "$DRY_RUN" ]; then
     printf '  %-13s %-24s %s\n' "$name" "${gpus:+CUDA_VISIBLE_DEVICES=$gpus}" "$*"; return 0
   fi
-  if [ -n "$gpus" ]; then export CUDA_VISIBLE_DEVICES=$gpus; else unset CUDA_VISIBLE_DEVICES; fi
+  # a process given no GPU keeps what this script was given (a scheduler's allocation stays in force)
+  if [ -n "$gpus" ]; then export CUDA_VISIBLE_DEVICES=$gpus
+  elif [ -n "$OUTER_SET" ]; then export CUDA_VISIBLE_DEVICES=$OUTER; else unset CUDA_VISIBLE_DEVICES; fi
   setsid "$@" > "$RUN_DIR/logs/$name.log" 2>&1 < /dev/null &
   PIDS[$name]=$!
-  unset CUDA_VISIBLE_DEVICES
+  if [ -n "$OUTER_SET" ]; then export CUDA_VISIBLE_DEVICES=$OUTER; else unset CUDA_VISIBLE_DEVICES; fi
 }
 
 wait_health() {  # wait_health NAME URL TIMEOUT_S

@@ -3,6 +3,7 @@
 The GPU runs themselves need a multi-GPU node; this checks what each process would be given:
 CUDA_VISIBLE_DEVICES for the reference server and each gen worker, deepspeed's --include for the
 learner, from the config's `launch` section or the flags that override it."""
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -13,17 +14,21 @@ ROOT = Path(__file__).resolve().parent.parent
 GPU8 = "configs/gpu_qwen25_math_1p5b_gsm8k_8gpu.yaml"
 
 
-def launch(*args, run_dir=None):
+def launch(*args, run_dir=None, visible=None):
+    """launch.sh with CUDA_VISIBLE_DEVICES unset, or set to `visible` (a scheduler's allocation)."""
     cmd = ["bash", "launch.sh", *args]
     if run_dir is not None:
         cmd += ["--run-dir", str(run_dir)]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
 
 
-def plan(*args, tmp_path):
+def plan(*args, tmp_path, visible=None):
     """{process: (CUDA_VISIBLE_DEVICES or None, command)} from a dry run; nothing may be created."""
     run_dir = tmp_path / "run"
-    out = launch(*args, "--dry-run", run_dir=run_dir)
+    out = launch(*args, "--dry-run", run_dir=run_dir, visible=visible)
     assert out.returncode == 0, out.stderr
     assert not run_dir.exists(), "a dry run created the run directory"
     procs = {}
@@ -97,5 +102,22 @@ def test_gpus_that_are_not_there_are_refused(tmp_path):
     run_dir = tmp_path / "run"
     out = launch("--worker-gpus", "99", run_dir=run_dir)
     assert out.returncode == 2
-    assert "GPU 99 is assigned but this node has" in out.stderr
+    assert "GPU 99 is assigned but nvidia-smi -L lists" in out.stderr
     assert not run_dir.exists()
+
+
+def test_ids_count_within_an_allocation(tmp_path):
+    # a batch scheduler gave this job GPUs 4-7: id i is its i-th GPU, for CUDA_VISIBLE_DEVICES and
+    # for deepspeed's --include alike (deepspeed drops CUDA_VISIBLE_DEVICES when --include is given)
+    p = plan("--config", GPU8, "--ref-gpu", "0", "--worker-gpus", "1", "--learner-gpus", "2,3",
+             tmp_path=tmp_path, visible="4,5,6,7")
+    assert (p["ref_server"][0], p["gen_worker_0"][0]) == ("4", "5")
+    assert "--include localhost:6,7" in p["learner"][1]
+    out = launch("--config", GPU8, "--dry-run", visible="4,5,6,7")  # the config wants 8
+    assert out.returncode == 2
+    assert "GPU 4 is assigned but CUDA_VISIBLE_DEVICES=4,5,6,7 lists 4 GPU(s)" in out.stderr
+    out = launch("--worker-gpus", "0", "--dry-run", visible="")  # set but empty: no GPU at all
+    assert out.returncode == 2 and "lists 0 GPU(s)" in out.stderr
+    out = launch("--config", GPU8, "--ref-gpu", "0", "--worker-gpus", "1", "--learner-gpus", "1", "--share-gpus",
+                 "--dry-run", visible="GPU-aa,GPU-bb")
+    assert out.returncode == 2 and "deepspeed --include needs GPU indices" in out.stderr
