@@ -5,8 +5,9 @@
 #               [--ref-gpu 0] [--worker-gpus 1,2,3] [--learner-gpus 4,5,6,7] [--share-gpus]
 #               [--resume] [--dry-run]
 #
-# GPU placement comes from the config's `launch` section; the flags override it. With no GPUs
-# listed everything runs on the CPU. --dry-run prints where each process would run and exits.
+# GPU placement comes from the config's `launch` section; the flags override it. Once any GPU is
+# placed, a process given none runs on the CPU; with none placed, every process keeps the GPUs this
+# script was given (none on a CPU machine). --dry-run prints each process's GPUs and command.
 # Every process gets its own log in the run directory and its own process group. Ctrl-C, or
 # the death of the learner or the reference server, stops everything this script started. The
 # executor is restarted if it dies; a dead gen worker is reported and the others carry on.
@@ -31,33 +32,38 @@ while [ $# -gt 0 ]; do
     --run-dir) RUN_DIR=$2; shift 2 ;;
     --set) SETS+=(--set "$2"); shift 2 ;;
     --workers) SETS+=(--set "launch.workers=$2"); shift 2 ;;
-    --ref-gpu) SETS+=(--set "launch.ref_gpu=$2"); shift 2 ;;
+    --ref-gpu) SETS+=(--set "launch.ref_gpu=${2:-null}"); shift 2 ;;  # "": on the CPU
     --worker-gpus) SETS+=(--set "launch.worker_gpus=$2"); shift 2 ;;
     --learner-gpus) SETS+=(--set "launch.learner_gpus=$2"); shift 2 ;;
     --share-gpus) SETS+=(--set "launch.share_gpus=true"); shift ;;
     --resume) RESUME=--resume; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;  # the header comment
     *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 RUN_DIR=${RUN_DIR:-runs/$(date +%Y%m%d-%H%M%S)}
 
-# One validation of the whole config (a bad key or placement exits here with one line), then
-# the values this script needs, one per line.
+# Validate the whole config (a bad key or placement exits here with one line) and read the
+# values this script needs, one per line.
 mapfile -t V < <("$PY" config.py --config "$CONFIG" "${SETS[@]}" --get executor.port --get ref_server.port \
   --get rollout.port --get launch.workers --get launch.ref_gpu --get launch.worker_gpus \
   --get launch.learner_gpus --get model.name || echo FAILED)
-[ "${V[-1]}" = FAILED ] && exit 2
+[ ${#V[@]} = 8 ] || exit 2
 EX_PORT=${V[0]}; REF_PORT=${V[1]}; W_PORT=${V[2]}; WORKERS=${V[3]}
 REF_GPU=${V[4]}; WORKER_GPUS=${V[5]}; LEARNER_GPUS=${V[6]}; MODEL=${V[7]}
 # GPU ids count within what this node gives us: if CUDA_VISIBLE_DEVICES is already set (a batch
 # scheduler's allocation), id i is its i-th entry; every id named must exist.
-OUTER=${CUDA_VISIBLE_DEVICES-}; OUTER_SET=${CUDA_VISIBLE_DEVICES+1}  # set but empty: no GPU
+OUTER=${CUDA_VISIBLE_DEVICES-}; OUTER=${OUTER// /}; OUTER_SET=${CUDA_VISIBLE_DEVICES+1}  # set but empty: no GPU
+PLACED=""
 if [ -n "$REF_GPU$WORKER_GPUS$LEARNER_GPUS" ]; then
+  PLACED=1
   if [ -n "$OUTER_SET" ]; then
     IFS=, read -r -a OUTER_IDS <<< "$OUTER"; NGPUS=${#OUTER_IDS[@]}; HAVE="CUDA_VISIBLE_DEVICES=$OUTER lists"
   elif [ -z "$DRY_RUN" ]; then
+    if ! command -v nvidia-smi > /dev/null; then
+      echo "launch.sh: GPUs are assigned but nvidia-smi is not found (no NVIDIA driver on this node?)" >&2; exit 2
+    fi
     NGPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); HAVE="nvidia-smi -L lists"
   else
     NGPUS=""
@@ -101,14 +107,22 @@ stop_all() {
 trap 'echo "launch.sh: stopping everything"; stop_all; exit 130' INT TERM
 trap 'stop_all' EXIT
 
-start() {  # start NAME GPUS CMD...: its own session (process group) and log file
-  local name=$1 gpus=$2; shift 2
+start() {  # start NAME GPUS CMD...: its own session (process group), log file and GPUs
+  local name=$1 gpus=$2 env; shift 2
+  # GPUS: ids for CUDA_VISIBLE_DEVICES; "launcher": deepspeed --include places the ranks itself (on
+  # physical ids); "": no GPU. The executor never sees one, nor does a process given none once any
+  # GPU is placed (it runs on the CPU); without a placement processes keep what this script got.
+  if [ "$gpus" = launcher ]; then env=unset
+  elif [ -n "$gpus" ]; then env=$gpus
+  elif [ -n "$PLACED" ] || [ "$name" = executor ]; then env=""
+  elif [ -n "$OUTER_SET" ]; then env=$OUTER; else env=unset; fi
   if [ -n "$DRY_RUN" ]; then
-    printf '  %-13s %-24s %s\n' "$name" "${gpus:+CUDA_VISIBLE_DEVICES=$gpus}" "$*"; return 0
+    if [ "$env" = unset ]; then env="(CUDA_VISIBLE_DEVICES unset)"; else env="CUDA_VISIBLE_DEVICES=${env:-\"\"}"; fi
+    local a cmd=""
+    for a in "$@"; do [[ $a =~ ^[][A-Za-z0-9_./:=,@+{}-]+$ ]] && cmd+=" $a" || cmd+=" $(printf %q "$a")"; done
+    printf '  %-13s %-30s%s\n' "$name" "$env" "$cmd"; return 0
   fi
-  # a process given no GPU keeps what this script was given (a scheduler's allocation stays in force)
-  if [ -n "$gpus" ]; then export CUDA_VISIBLE_DEVICES=$gpus
-  elif [ -n "$OUTER_SET" ]; then export CUDA_VISIBLE_DEVICES=$OUTER; else unset CUDA_VISIBLE_DEVICES; fi
+  if [ "$env" = unset ]; then unset CUDA_VISIBLE_DEVICES; else export CUDA_VISIBLE_DEVICES=$env; fi
   setsid "$@" > "$RUN_DIR/logs/$name.log" 2>&1 < /dev/null &
   PIDS[$name]=$!
   if [ -n "$OUTER_SET" ]; then export CUDA_VISIBLE_DEVICES=$OUTER; else unset CUDA_VISIBLE_DEVICES; fi
@@ -151,7 +165,7 @@ done
 # The learner starts while the workers load their engines (its imports and DeepSpeed set-up take
 # minutes on a small CPU); it waits for a registered worker before its first evaluation or batch.
 if [ -n "$LEARNER_GPUS" ]; then  # deepspeed sets each rank's device itself
-  start learner "" "$(dirname "$PY")/deepspeed" --include "localhost:$LEARNER_GPUS" --master_port $((REF_PORT + 1000)) \
+  start learner launcher "$(dirname "$PY")/deepspeed" --include "localhost:$LEARNER_GPUS" --master_port $((REF_PORT + 1000)) \
     learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME
 else  # CPU: one rank on DeepSpeed's CPU accelerator
   start learner "" "$(dirname "$PY")/deepspeed" --num_gpus 1 --master_port $((REF_PORT + 1000)) \

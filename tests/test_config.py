@@ -91,6 +91,13 @@ def test_launch_placement():
     cfg = load_config(None, ["launch.worker_gpus=2,5", "launch.learner_gpus=0"])  # the flags' form
     assert cfg.launch.worker_gpus == [2, 5] and cfg.launch.learner_gpus == [0] and cfg.launch.workers == 2
     assert load_config(None).launch.workers == 1 and load_config(None).launch.worker_gpus == []
+    # fewer workers than worker GPUs leaves the last ones idle (and free for others); more must share
+    few = load_config(None, ["launch.worker_gpus=1,2,3", "launch.workers=1", "launch.learner_gpus=2"])
+    assert few.launch.workers == 1
+    with pytest.raises(ConfigError, match="launch.workers=4 but launch.worker_gpus lists only 3 GPUs"):
+        load_config(None, ["launch.worker_gpus=1,2,3", "launch.workers=4"])
+    shared = load_config(None, ["launch.worker_gpus=1,2,3", "launch.workers=4", "launch.share_gpus=true"])
+    assert shared.launch.workers == 4
     with pytest.raises(ConfigError, match=r"GPU \[0\] is given to both the reference model and the learner"):
         load_config(None, ["launch.ref_gpu=0", "launch.learner_gpus=0,1"])
     shared = load_config(None, ["launch.ref_gpu=0", "launch.learner_gpus=0,1", "launch.share_gpus=true"])

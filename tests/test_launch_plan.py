@@ -5,6 +5,7 @@ CUDA_VISIBLE_DEVICES for the reference server and each gen worker, deepspeed's -
 learner, from the config's `launch` section or the flags that override it."""
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -26,14 +27,15 @@ def launch(*args, run_dir=None, visible=None):
 
 
 def plan(*args, tmp_path, visible=None):
-    """{process: (CUDA_VISIBLE_DEVICES or None, command)} from a dry run; nothing may be created."""
+    """{process: (its CUDA_VISIBLE_DEVICES, '""' for empty, or None for unset; command)} from a dry
+    run; nothing may be created."""
     run_dir = tmp_path / "run"
     out = launch(*args, "--dry-run", run_dir=run_dir, visible=visible)
     assert out.returncode == 0, out.stderr
     assert not run_dir.exists(), "a dry run created the run directory"
     procs = {}
     for line in out.stdout.splitlines()[1:]:
-        m = re.match(r"\s+(\S+)\s+(?:CUDA_VISIBLE_DEVICES=(\S+)\s+)?(.*)$", line)
+        m = re.match(r"\s+(\S+)\s+(?:CUDA_VISIBLE_DEVICES=(\S+)|\(CUDA_VISIBLE_DEVICES unset\))\s+(.*)$", line)
         assert m, line
         procs[m[1]] = (m[2], m[3])
     return procs
@@ -42,11 +44,12 @@ def plan(*args, tmp_path, visible=None):
 def test_eight_gpu_config_places_each_process(tmp_path):
     p = plan("--config", GPU8, tmp_path=tmp_path)
     assert set(p) == {"executor", "ref_server", "gen_worker_0", "gen_worker_1", "gen_worker_2", "learner"}
-    assert p["executor"][0] is None  # model-written code never gets a GPU
+    assert p["executor"][0] == '""'  # model-written code never gets a GPU
     assert p["ref_server"][0] == "0"
     assert [p[f"gen_worker_{i}"][0] for i in range(3)] == ["1", "2", "3"]
     gpus, cmd = p["learner"]
-    assert gpus is None and "--include localhost:4,5,6,7" in cmd and "learner.py" in cmd  # deepspeed sets ranks' devices
+    # deepspeed --include counts physical GPUs and sets each rank's device itself
+    assert gpus is None and "--include localhost:4,5,6,7" in cmd and "learner.py" in cmd
     assert [re.search(r"--port (\d+)", p[f"gen_worker_{i}"][1])[1] for i in range(3)] == ["8300", "8301", "8302"]
 
 
@@ -63,7 +66,7 @@ def test_flags_override_the_config(tmp_path):
 def test_cpu_default_and_cpu_workers_pinned(tmp_path):
     p = plan(tmp_path=tmp_path)  # configs/cpu_demo.yaml
     assert set(p) == {"executor", "ref_server", "gen_worker_0", "learner"}
-    assert all(gpus is None for gpus, _ in p.values())
+    assert p["executor"][0] == '""' and all(p[k][0] is None for k in ("ref_server", "gen_worker_0", "learner"))
     assert "--num_gpus 1" in p["learner"][1]
     p = plan("--workers", "2", tmp_path=tmp_path)
     assert "rollout.cpu_threads_bind=0" in p["gen_worker_0"][1] and "rollout.cpu_threads_bind=1" in p["gen_worker_1"][1]
@@ -87,23 +90,54 @@ def test_shared_gpus_only_when_asked(tmp_path):
     (["--worker-gpus", "a,b"], "launch.worker_gpus='a,b': expected GPU ids like 1,2,3"),
     (["--ref-gpu", "-1"], "launch.ref_gpu=-1"),
     (["--learner-gpus", "4,4"], "GPU ids must be distinct"),
-    (["--workers", "2"], "launch.workers=2 but launch.worker_gpus lists 3 GPUs"),
+    (["--workers", "4"], "launch.workers=4 but launch.worker_gpus lists only 3 GPUs"),
 ])
-def test_bad_placement_is_one_clear_error(args, needle, tmp_path):
-    run_dir = tmp_path / "run"
-    out = launch("--config", GPU8, *args, run_dir=run_dir)  # not a dry run: it must stop before starting
+def test_bad_placement_is_one_clear_error(args, needle):
+    out = launch("--config", GPU8, *args, "--dry-run")
     assert out.returncode == 2, out.stdout
     assert needle in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert not run_dir.exists()
+    assert out.stdout == ""
+
+
+def test_partial_placement_puts_the_rest_on_the_cpu(tmp_path):
+    # once any GPU is placed, a process given none must not land on some GPU 0 by default
+    p = plan("--config", GPU8, "--ref-gpu", "", "--workers", "1", tmp_path=tmp_path)
+    assert p["ref_server"][0] == '""'
+    assert [k for k in p if k.startswith("gen_worker")] == ["gen_worker_0"] and p["gen_worker_0"][0] == "1"
+    # without any placement, processes keep the allocation they were given (one GPU node, no flags)
+    p = plan("--workers", "2", tmp_path=tmp_path, visible="3")
+    assert [p[k][0] for k in ("ref_server", "gen_worker_0", "gen_worker_1", "learner")] == ["3"] * 4
+    assert p["executor"][0] == '""'
 
 
 def test_gpus_that_are_not_there_are_refused(tmp_path):
-    # on this CPU machine nvidia-smi finds none; on a GPU node, GPU 99 is not there either
-    run_dir = tmp_path / "run"
-    out = launch("--worker-gpus", "99", run_dir=run_dir)
-    assert out.returncode == 2
-    assert "GPU 99 is assigned but nvidia-smi -L lists" in out.stderr
-    assert not run_dir.exists()
+    """A real (not dry) start must refuse GPUs the node lacks before it starts anything: with a
+    stand-in nvidia-smi that lists two GPUs, and with none on the PATH."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Fake (UUID: GPU-a)'\necho 'GPU 1: Fake (UUID: GPU-b)'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    no_smi = tmp_path / "empty"
+    no_smi.mkdir()
+    for path, args, needle in [
+        (f"{fake}:/usr/bin:/bin", ["--worker-gpus", "1", "--learner-gpus", "2"],
+         "GPU 2 is assigned but nvidia-smi -L lists 2 GPU(s)"),
+        (f"{no_smi}:/usr/bin:/bin", ["--worker-gpus", "0"], "nvidia-smi is not found"),
+    ]:
+        if path.startswith(str(no_smi)) and any(Path(d, "nvidia-smi").exists() for d in ("/usr/bin", "/bin")):
+            continue  # a GPU node: nvidia-smi is in the system directories
+        run_dir = tmp_path / "run"
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {"PATH": path}
+        proc = subprocess.Popen(["bash", "launch.sh", *args, "--run-dir", str(run_dir)], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:  # it started the system after all: its trap stops everything
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+        assert proc.returncode == 2 and needle in err, err
+        assert not run_dir.exists()
 
 
 def test_ids_count_within_an_allocation(tmp_path):

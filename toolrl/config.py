@@ -281,11 +281,14 @@ class LoggingConfig(Section):
 
 class LaunchConfig(Section):
     """Where launch.sh puts each process on one node. Its flags (--workers, --ref-gpu,
-    --worker-gpus, --learner-gpus) set these keys; with no GPUs listed everything runs on the CPU."""
+    --worker-gpus, --learner-gpus) set these keys. Once any GPU is placed, a process given none runs
+    on the CPU; with none placed, processes keep the GPUs launch.sh was given."""
 
     workers: int = Field(1, ge=1)  # gen workers; default: one per worker GPU when those are listed
     ref_gpu: int | None = Field(None, ge=0)  # the reference model's GPU
-    worker_gpus: list[int] = Field(default_factory=list)  # gen worker i gets worker_gpus[i]
+    # gen worker i gets worker_gpus[i] (fewer workers leave the last GPUs idle; more need share_gpus,
+    # and then go round robin)
+    worker_gpus: list[int] = Field(default_factory=list)
     learner_gpus: list[int] = Field(default_factory=list)  # deepspeed --include localhost:<these>
     # Allow two processes on one GPU (or more workers than worker GPUs). Off, because vLLM takes
     # rollout.gpu_memory_utilization of each GPU it is given and the learner needs the rest.
@@ -313,11 +316,12 @@ class LaunchConfig(Section):
             object.__setattr__(self, "workers", len(self.worker_gpus))
         if self.share_gpus:
             return self
-        if self.worker_gpus and self.workers != len(self.worker_gpus):
-            raise ValueError(f"launch.workers={self.workers} but launch.worker_gpus lists {len(self.worker_gpus)} "
-                             "GPUs: give one GPU per worker (or set launch.share_gpus=true)")
+        if self.worker_gpus and self.workers > len(self.worker_gpus):
+            raise ValueError(f"launch.workers={self.workers} but launch.worker_gpus lists only {len(self.worker_gpus)} "
+                             "GPUs, so workers would share them: list more (--worker-gpus) or set "
+                             "launch.share_gpus=true")
         users = {"reference model": [] if self.ref_gpu is None else [self.ref_gpu],
-                 "gen workers": self.worker_gpus, "learner": self.learner_gpus}
+                 "gen workers": self.worker_gpus[:self.workers], "learner": self.learner_gpus}
         names = list(users)
         for i, a in enumerate(names):
             for b in names[i + 1:]:

@@ -2,7 +2,7 @@
 
     python -m toolrl.runinfo RUN_DIR --config CFG [--set ...] --wall-s S
 
-The sync check asks each live worker for a seeded probe (`POST /probe`) and scores the same tokens
+The sync check asks each live worker for a probe (`POST /probe`) and scores the same tokens
 with the learner's exported weights in transformers: a worker that really holds the final policy
 matches to a small tolerance, and differs from the base model.
 """
