@@ -127,6 +127,7 @@ def test_environment_is_clean(s):
     import json
     env = json.loads(r.stdout.splitlines()[0])
     assert env["OMP_NUM_THREADS"] == env["OPENBLAS_NUM_THREADS"] == "1"
+    assert env["CUDA_VISIBLE_DEVICES"] == ""  # no GPU for model-written code
     assert not any(k for k in env if "TOKEN" in k or k.startswith(("PYTEST", "TOOLRL"))), env
     uid, cwd = r.stdout.splitlines()[1].split()
     assert s.slot_uids[0] <= int(uid) <= s.slot_uids[1]

@@ -56,7 +56,7 @@ class Backend:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
                "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(toolrl.__file__))),
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "NUMEXPR_NUM_THREADS": "1"}  # nothing of ours (tokens, keys) reaches the sandbox
+               "NUMEXPR_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # nothing of ours (tokens, keys) gets in
         self.proc = subprocess.Popen([sys.executable, "-m", "toolrl.sandbox.forkserver", str(child.fileno())],
                                      pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, close_fds=True)

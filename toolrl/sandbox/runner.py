@@ -49,6 +49,7 @@ ENV = {
     "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1",
     "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
     "NUMEXPR_NUM_THREADS": "1", "VECLIB_MAXIMUM_THREADS": "1", "GOTO_NUM_THREADS": "1",
+    "CUDA_VISIBLE_DEVICES": "",  # model-written code gets no GPU, even on a GPU node
 }
 
 
