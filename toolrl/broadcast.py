@@ -30,7 +30,7 @@ import httpx
 import torch
 
 from .service import auth_headers
-from .weights import WeightSyncError
+from .weights import WeightSyncError, confirm_loaded
 
 
 def default_backend() -> str:
@@ -196,7 +196,4 @@ class LearnerGroup:
                     raise answer.exception() from None  # the worker's reason is the better one
                 raise WeightSyncError(f"{self.url}: broadcast of version {version}: {exc}") from None
             res = answer.result()
-        if res.get("version") != version or not res.get("loaded"):
-            raise WeightSyncError(f"{self.url}: worker did not confirm loading version {version}: {res}")
-        res["push_s"] = time.time() - t0
-        return res
+        return confirm_loaded(self.url, res, version, t0)

@@ -228,6 +228,15 @@ class WeightAssembler:
         shutil.rmtree(self.out_dir, ignore_errors=True)
 
 
+def confirm_loaded(url: str, answer: dict, version: int, t0: float) -> dict:
+    """A worker's answer to the last part of an update, whatever the transport: it must say it
+    loaded `version`. Adds the push's wall time."""
+    if answer.get("version") != version or not answer.get("loaded"):
+        raise WeightSyncError(f"{url}: worker did not confirm loading version {version}: {answer}")
+    answer["push_s"] = time.time() - t0
+    return answer
+
+
 def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int, *, token: str | None = None,
                  bucket_mb: int = 64, timeout_s: float = 120.0, client: httpx.Client | None = None) -> dict:
     """Send a full set of weights to one worker; returns its final answer (with `reload_s`).
@@ -261,10 +270,7 @@ def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int, 
                 raise WeightSyncError(f"{url}: bucket {i + 1}/{len(buckets)} of version {version}: "
                                       f"HTTP {resp.status_code}: {resp.text[:300]}")
             answer = resp.json()
-        if answer.get("version") != version or not answer.get("loaded"):
-            raise WeightSyncError(f"{url}: worker did not confirm loading version {version}: {answer}")
-        answer["push_s"] = time.time() - t0
-        return answer
+        return confirm_loaded(url, answer, version, t0)
     finally:
         pool.shutdown(cancel_futures=True)
         if own:
