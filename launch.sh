@@ -122,10 +122,9 @@ start() {  # start NAME GPUS CMD...: its own session (process group), log file a
     for a in "$@"; do [[ $a =~ ^[][A-Za-z0-9_./:=,@+{}-]+$ ]] && cmd+=" $a" || cmd+=" $(printf %q "$a")"; done
     printf '  %-13s %-30s%s\n' "$name" "$env" "$cmd"; return 0
   fi
-  if [ "$env" = unset ]; then unset CUDA_VISIBLE_DEVICES; else export CUDA_VISIBLE_DEVICES=$env; fi
-  setsid "$@" > "$RUN_DIR/logs/$name.log" 2>&1 < /dev/null &
+  if [ "$env" = unset ]; then env=(-u CUDA_VISIBLE_DEVICES); else env=("CUDA_VISIBLE_DEVICES=$env"); fi
+  env "${env[@]}" setsid "$@" > "$RUN_DIR/logs/$name.log" 2>&1 < /dev/null &  # env and setsid exec: $! is the process
   PIDS[$name]=$!
-  if [ -n "$OUTER_SET" ]; then export CUDA_VISIBLE_DEVICES=$OUTER; else unset CUDA_VISIBLE_DEVICES; fi
 }
 
 wait_health() {  # wait_health NAME URL TIMEOUT_S
