@@ -10,8 +10,8 @@ def group_advantages(rewards: list[float], scale: bool = True, eps: float = 1e-4
     The std is the population std of the group. A group whose rewards are all equal gets zero
     advantages: it carries no learning signal (callers decide whether to drop it).
     """
-    if not rewards:
-        return []
+    if zero_variance(rewards):  # exactly zero, not float dust: the learner skips zero-advantage samples
+        return [0.0] * len(rewards)
     mean = sum(rewards) / len(rewards)
     centred = [r - mean for r in rewards]
     if not scale:
