@@ -85,11 +85,24 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
                       request_id: str, pending_code: str | None = None) -> Rollout:
     r = Rollout(prompt_ids=list(prompt_ids))
     session = request_id if cfg.session_per_rollout else None
+    ran = False  # a program ran in the session: end it, even if its output did not fit
+
+    def insert(call: ToolCall, lead: str = "") -> bool:
+        """Append a call's output, or end the sample if it does not fit: an output that never
+        reaches the model is not part of the sample (no masked span, no tool reward)."""
+        ids = tool_segment_ids(tokenizer, tool_output_text(call), cfg.max_tool_output_tokens, lead)
+        if len(r.prompt_ids) + len(r.completion_ids) + len(ids) >= cfg.max_total_tokens:
+            r.stop_reason = "max_total_tokens"
+            return False
+        r.tool_calls.append(call)
+        r.add("tool", ids, None)
+        return True
+
     try:
         if pending_code is not None and tool is not None:
-            call = await tool.run(pending_code, session)
-            r.tool_calls.append(call)
-            r.add("tool", tool_segment_ids(tokenizer, tool_output_text(call), cfg.max_tool_output_tokens), None)
+            call, ran = await tool.run(pending_code, session), True
+            if not insert(call):
+                return r
         while True:
             budget = min(cfg.max_new_tokens - r.generated,
                          cfg.max_total_tokens - len(r.prompt_ids) - len(r.completion_ids))
@@ -113,15 +126,11 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
                 call = ToolCall(code="", status="error",
                                 output="Error: no ```python block was found before this line.\n")
             else:
-                call = await tool.run(code, session)
-            r.tool_calls.append(call)
-            ids = tool_segment_ids(tokenizer, tool_output_text(call), cfg.max_tool_output_tokens, lead)
-            if len(r.prompt_ids) + len(r.completion_ids) + len(ids) >= cfg.max_total_tokens:
-                r.stop_reason = "max_total_tokens"
+                call, ran = await tool.run(code, session), True
+            if not insert(call, lead):
                 break
-            r.add("tool", ids, None)
     finally:
-        if tool is not None and session is not None and r.tool_calls:
+        if tool is not None and session is not None and ran:
             await tool.end_session(session)
     return r
 
