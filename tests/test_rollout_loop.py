@@ -61,6 +61,47 @@ def prog(code):
     return f"Let me compute.\n<program>\n```python\n{code}\n```\n</program>\n{STOP_MARKER}"
 
 
+def boxed(value):
+    return f"Done.\n</think>\n<answer>\n\\boxed{{{value}}}\n</answer>"
+
+
+class ByProblem:
+    """A scripted engine for GenWorker: `answer(i, problem, request_id, text)` gives each segment
+    as (text, stop), i being the problem's index in `problems` found in the prompt."""
+
+    def __init__(self, problems, answer):
+        self.problems, self.answer, self.requests = problems, answer, []
+
+    async def generate(self, ids, max_tokens, request_id):
+        text = TOK.decode(ids)
+        i = next(i for i, p in enumerate(self.problems) if p.question in text)
+        self.requests.append(request_id)
+        out, stop = await self.answer(i, self.problems[i], request_id, text)
+        toks = TOK.encode(out, add_special_tokens=False)
+        return GenOut(toks, [-0.5] * len(toks), out, "stop", stop)
+
+
+def demo_worker(tool, engine, *sets):
+    from toolrl.config import load_config
+    from toolrl.genworker import GenWorker
+
+    cfg = load_config("configs/cpu_demo.yaml", [f"executor.url={tool().client.url}", *sets])
+    return GenWorker(cfg, worker_id="t", engine=engine)
+
+
+def run_worker(worker, coro_fn):
+    """Run `coro_fn()` on a fresh loop, then close the worker's executor client and weight slots."""
+    async def go():
+        try:
+            return await coro_fn()
+        finally:
+            await worker.executor.aclose()
+    try:
+        return asyncio.run(go())
+    finally:
+        worker.assembler.close()
+
+
 def test_segments_masks_and_resume_by_token_ids(tool):
     s = Script([(prog("x = 6 * 7\nprint(x)"), STOP_MARKER), (prog("print(x + 1)"), STOP_MARKER),
                 ("So it is 43.\n</think>\n<answer>\\boxed{43}</answer>", None)])
@@ -190,42 +231,24 @@ def test_evaluate_scores_the_policy_alone_and_leaves_training_state_alone(tool):
     """GenWorker.evaluate (what `POST /evaluate` and evaluate.py run): per-problem correctness and
     unbiased pass@k, tool use counted, no teacher traces although the config adds them in
     training, and neither the training statistics nor the curriculum move."""
-    from toolrl.config import load_config
-    from toolrl.genworker import GenWorker
-
-    # Level 1 of 3 with a 1-group window: one right answer during training would promote.
-    cfg = load_config("configs/cpu_demo.yaml", [f"executor.url={tool().client.url}", "data.level=1",
-                                                "data.max_level=3", "data.promote_window=1"])
-    assert cfg.teacher.traces_per_group >= 1  # training adds them; the evaluation must not
     problems = arithmetic_problems(3, seed=11, level=1)
     calls = {p.id: 0 for p in problems}
 
-    class ByQuestion:
+    async def answer(i, p, request_id, text):
         """Problem 0: always right, with a program; problem 1: right on the first sample only;
         problem 2: always wrong, no program."""
+        calls[p.id] += 1
+        if i == 0 and STOP_MARKER not in text.split(p.question)[-1]:
+            return prog(p.meta["expression"].join(["print(", ")"])), STOP_MARKER
+        if i == 0 or (i == 1 and calls[p.id] == 1):
+            return boxed(p.answer), None
+        return boxed(7), None
 
-        async def generate(self, ids, max_tokens, request_id):
-            text = TOK.decode(ids)
-            i = next(i for i, p in enumerate(problems) if p.question in text)
-            p = problems[i]
-            calls[p.id] += 1
-            if i == 0 and STOP_MARKER not in text.split(p.question)[-1]:
-                out, stop = prog(p.meta["expression"].join(["print(", ")"])), STOP_MARKER
-            elif i == 0 or (i == 1 and calls[p.id] == 1):
-                out, stop = f"Done.\n</think>\n<answer>\n\\boxed{{{p.answer}}}\n</answer>", None
-            else:
-                out, stop = "Done.\n</think>\n<answer>\n\\boxed{7}\n</answer>", None
-            toks = TOK.encode(out, add_special_tokens=False)
-            return GenOut(toks, [-0.5] * len(toks), out, "stop", stop)
-
-    worker = GenWorker(cfg, worker_id="t", engine=ByQuestion())
-
-    async def go():
-        try:
-            return await worker.evaluate(problems, samples=2, ks=[1, 2], concurrency=2)
-        finally:
-            await worker.executor.aclose()
-    res = asyncio.run(go())
+    # Level 1 of 3 with a 1-group window: one right answer during training would promote.
+    worker = demo_worker(tool, ByProblem(problems, answer), "data.level=1", "data.max_level=3",
+                         "data.promote_window=1")
+    assert worker.cfg.teacher.traces_per_group >= 1  # training adds them; the evaluation must not
+    res = run_worker(worker, lambda: worker.evaluate(problems, samples=2, ks=[1, 2], concurrency=2))
     assert [(r["id"], r["n"], r["correct"]) for r in res["per_problem"]] == [
         (problems[0].id, 2, 2), (problems[1].id, 2, 1), (problems[2].id, 2, 0)]
     assert res["n_samples"] == 6 and res["accuracy"] == pytest.approx(3 / 6)
@@ -276,3 +299,121 @@ def test_curriculum_promotes_on_accuracy_and_mix_levels_keeps_reviewing():
     assert levels(worker("data.level=3", "data.mix_levels=true"), 6) == [1, 2, 3, 1, 2, 3]
     for w in made:
         w.assembler.close()
+
+
+def test_a_tool_output_that_does_not_fit_ends_the_sample_without_the_call(tool):
+    """The program runs, but its output would pass max_total_tokens: the sample ends there, and the
+    call is not part of it (no masked span and no tool reward for an output the model never read)."""
+    segment = prog("print('x' * 400)")
+    n = len(TOK.encode(segment, add_special_tokens=False))
+    cfg = RolloutConfig(max_total_tokens=3 + n + 5, max_new_tokens=1000)
+    r = run(Script([(segment, STOP_MARKER), ("never asked for", None)]), tool(), cfg)
+    assert r.stop_reason == "max_total_tokens" and r.tool_calls == []
+    assert set(r.loss_mask) == {1} and r.generated == n and [k for k, _, _ in r.segments] == ["model"]
+    # a short output fits, and is then a call with its masked span, as usual
+    cfg = RolloutConfig(max_total_tokens=3 + n + 40)
+    r = run(Script([(prog("print(1)"), STOP_MARKER), ("end", None)]), tool(), cfg)
+    assert [c.output for c in r.tool_calls] == ["1\n"] and r.loss_mask.count(0) > 0
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_zero_variance_groups_are_dropped_or_kept_and_counted(tool, drop):
+    problems = arithmetic_problems(2, seed=5, level=1)
+
+    async def answer(i, p, request_id, text):  # problem 0: all samples alike; problem 1: sample 0 right
+        right = i == 1 and request_id.split(".")[-2] == "0"
+        return boxed(p.answer if right else -1), None
+
+    worker = demo_worker(tool, ByProblem(problems, answer), "teacher.traces_per_group=0", "rollout.group_size=3",
+                         "rollout.prompts_per_step=1", f"grpo.drop_zero_std_groups={drop}")
+    worker.problems = iter(problems)
+
+    async def produce():
+        return [g async for g in worker.produce(n_groups=2)]
+    groups = run_worker(worker, produce)
+    kept = [problems[1].id] if drop else [problems[0].id, problems[1].id]
+    assert [g[0].group_id.split(":")[1] for g in groups] == kept
+    st = worker.stats_dict()  # what GET /stats serves
+    assert (st["groups"], st["zero_std_groups"], st["dropped_groups"]) == (2, 1, 1 if drop else 0)
+    assert [s.rewards["correct"] for s in groups[-1]] == [1.0, 0.0, 0.0]
+    if not drop:
+        assert [s.advantage for s in groups[0]] == [0.0, 0.0, 0.0]
+
+
+def test_in_flight_rollouts_finish_on_their_version_and_new_ones_wait_for_the_update(tool):
+    """A weight update drains the rollouts in flight (tagged with the version they started under)
+    before it loads, and rollouts that start meanwhile wait for the new weights."""
+    problems = arithmetic_problems(2, seed=6, level=1)
+    events, release = [], asyncio.Event()  # an Event binds to the loop that first waits on it
+
+    async def answer(i, p, request_id, text):
+        events.append(("generate", i, worker.version))
+        if i == 0:
+            await release.wait()  # problem 0's rollouts are mid-generation when the update comes
+        return boxed(p.answer), None
+
+    worker = demo_worker(tool, ByProblem(problems, answer), "teacher.traces_per_group=0", "rollout.group_size=2",
+                         "rollout.drain_timeout_s=60")
+
+    async def load():
+        events.append(("load", worker._inflight))
+        return 0.0
+
+    async def go():
+        first = asyncio.create_task(worker.rollout_group(problems[0]))
+        await asyncio.sleep(0.3)
+        update = asyncio.create_task(worker._swap_weights(1, load))
+        await asyncio.sleep(0.3)
+        second = asyncio.create_task(worker.rollout_group(problems[1]))  # starts while the update drains
+        await asyncio.sleep(0.3)
+        assert worker.update_phase == "draining" and not update.done()
+        assert [e for e in events if e[0] == "generate"] == [("generate", 0, 0)] * 2  # problem 1 held back
+        release.set()
+        return await asyncio.gather(first, update, second)
+
+    old, res, new = run_worker(worker, go)
+    assert [s.policy_version for s in old] == [0, 0] and [s.rewards["correct"] for s in old] == [1.0, 1.0]
+    assert res["version"] == 1 and worker.version == 1
+    assert [s.policy_version for s in new] == [1, 1]
+    load_at = events.index(("load", 0))  # loaded with nothing in flight ...
+    assert events[load_at + 1:] == [("generate", 1, 1)] * 2  # ... and only then problem 1 began, on v1
+
+
+def test_a_slow_tool_call_holds_back_only_its_own_sample(tool):
+    """Every sample advances on its own: while sample 0 waits on its program, the other samples
+    run their programs and finish (lock-step rounds would hold them at the tool barrier)."""
+    problems = arithmetic_problems(1, seed=7, level=1)
+    real, gate = tool(), asyncio.Event()
+
+    class OneSlowTool:
+        async def run(self, code, session_id):
+            if session_id.endswith(".0"):
+                await gate.wait()
+            return await real.run(code, session_id)
+
+        async def end_session(self, session_id):
+            await real.end_session(session_id)
+
+    async def answer(i, p, request_id, text):
+        if STOP_MARKER not in text.split(p.question)[-1]:
+            return prog(p.meta["expression"].join(["print(", ")"])), STOP_MARKER
+        return boxed(p.answer), None
+
+    engine = ByProblem(problems, answer)
+    worker = demo_worker(tool, engine, "rollout.group_size=3")
+    worker.tool = OneSlowTool()
+
+    async def go():
+        task = asyncio.create_task(worker._rollouts(worker.prompt_ids(problems[0].question), "g", 3))
+        for _ in range(200):  # up to 20 s for the other two samples to run their programs and finish
+            if {"g.1.2", "g.2.2"} <= set(engine.requests):
+                break
+            await asyncio.sleep(0.1)
+        waiting = sorted(engine.requests)
+        gate.set()
+        return waiting, await task
+
+    waiting, rolls = run_worker(worker, go)
+    assert waiting == ["g.0.0", "g.1.0", "g.1.2", "g.2.0", "g.2.2"]  # sample 0 still in its tool call
+    assert [[c.output.strip() for c in r.tool_calls] for r in rolls] == [[problems[0].answer]] * 3
+    assert all(r.stop_reason == "eos" for r in rolls)
