@@ -58,7 +58,8 @@ def stack(tmp_path_factory, executor):
 
 @pytest.fixture(scope="module")
 def samples(stack):
-    """Batches from the reference server until some sample has an executed tool call."""
+    """Batches from the reference server until one of the policy's own samples (not a teacher
+    trace) made a first tool call that executed without error."""
     from toolrl.refserver.client import RefServerClient
 
     got = []
@@ -67,7 +68,8 @@ def samples(stack):
         while time.time() < deadline:
             batch = ref.get_batch(64, 1 << 20, wait_s=10)
             got += batch or []
-            if any(t.status == "ok" for s in got for t in s.tool_calls) and len(got) >= 8:
+            if len(got) >= 8 and any(s.source == "policy" and s.tool_calls and s.tool_calls[0].status == "ok"
+                                     for s in got):
                 break
     assert got, "the worker uploaded nothing"
     return got
@@ -85,7 +87,9 @@ def test_workers_register_and_report(stack, samples):
     st = httpx.get(f"{stack['worker']}/stats").json()
     policy = [s for s in samples if s.source == "policy"]  # cpu_demo adds a teacher trace to each group
     assert len(policy) < len(samples) and st["teacher_traces"] >= len(samples) - len(policy)
-    assert st["samples"] >= len(policy) and st["tokens_per_s"] > 0 and st["tool_calls"] >= 1
+    assert st["samples"] >= len(policy) and st["tokens_per_s"] > 0 and st["samples_per_s"] > 0
+    assert st["tool_calls"] >= 1 and 0 <= st["tool_errors"] <= st["tool_calls"]
+    assert st["upload_waits"] >= 0 and st["upload_wait_s"] >= 0 and st["policy_version"] == 0
 
 
 def test_tool_output_in_the_token_stream_is_the_executors_and_masked(stack, samples):
@@ -112,9 +116,9 @@ def test_tool_output_in_the_token_stream_is_the_executors_and_masked(stack, samp
             if first is not None and first.status == "ok" and first.code:
                 again = ex.execute(first.code)  # a fresh run of the same program prints the same
                 assert again.stdout == first.output
-                checked += 1
+                checked += s.source == "policy"
             assert all(lp is not None for lp, m in zip(s.logprobs, s.loss_mask) if m == 1)
-    assert checked >= 1
+    assert checked >= 1  # SmolLM2 itself, with the one-shot prompt, wrote a program that ran
 
 
 def test_sampler_logprobs_match_a_transformers_forward(samples, hf):
