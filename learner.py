@@ -39,7 +39,7 @@ def main() -> None:
         torch.set_num_threads(len(cfg.learner.cpu_cores))
         log.info("pinned to cores %s, %d torch threads", cfg.learner.cpu_cores, torch.get_num_threads())
 
-    from toolrl.models import resolve_model
+    from toolrl.models import resolve_dtype, resolve_model
     from toolrl.monitor import Monitor, batch_stats
     from toolrl.protocol import sample_record
     from toolrl.refserver.client import RefServerClient
@@ -52,7 +52,7 @@ def main() -> None:
         log.info("resumed at step %d, policy version %d", trainer.step, trainer.version)
     ref = RefServerClient(cfg.ref_server.url, token=cfg.ref_server.token)
     sync = WeightSync(cfg, ref)
-    sync_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+    sync_dtype = getattr(torch, resolve_dtype(cfg.model.dtype))  # what the workers' engines run
     state = lambda: trainer.export_state(sync_dtype)  # noqa: E731
     monitor = Monitor(cfg, log_dir, trainer.rank)
     world = int(os.environ.get("WORLD_SIZE", "1"))

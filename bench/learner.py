@@ -60,7 +60,7 @@ def bench_step(args) -> dict:
 
     from toolrl.config import load_config
     from toolrl.logprobs import pack_samples
-    from toolrl.models import resolve_model
+    from toolrl.models import resolve_dtype, resolve_model
     from toolrl.trainer import Trainer
 
     cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}", f"learner.dtype={args.dtype}",
@@ -103,7 +103,7 @@ def bench_step(args) -> dict:
            "ratio_unshared_vs_fwd_bwd": round(min(t_plain) / min(t_packed), 3),
            "prompt_sharing_speedup": round(min(t_packed) / min(t_grpo), 3), "dtype": args.dtype,
            "threads": torch.get_num_threads()}
-    named = tr.export_state(torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32)
+    named = tr.export_state(getattr(torch, resolve_dtype(cfg.model.dtype)))
     return res, named
 
 

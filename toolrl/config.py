@@ -26,6 +26,8 @@ class Section(BaseModel):
 class ModelConfig(Section):
     # A built-in name (smollm2-135m-instruct, tiny-random), a Hugging Face id or a local path.
     name: str = "smollm2-135m-instruct"
+    # Rollouts, reference model and the weights synced to workers. "auto": bfloat16 where the machine
+    # computes it natively (GPUs; CPUs with AVX512-BF16 or AMX), float32 elsewhere (toolrl.models.resolve_dtype)
     dtype: Literal["bfloat16", "float32", "float16", "auto"] = "bfloat16"
     max_model_len: int = Field(2048, ge=64)
     trust_remote_code: bool = False
@@ -230,7 +232,7 @@ class LearnerConfig(Section):
     grad_accum: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0)
     zero_stage: Literal[0, 1, 2, 3] = 2
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float32", "auto"] = "bfloat16"  # DeepSpeed's mixed precision; "auto" as model.dtype
     gradient_checkpointing: bool = False
     # CPU only: pin the learner to these cores, one torch thread each. On a small machine shared with
     # a vLLM worker, torch's threads on the engine's core stall every parallel region of the step.

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from .config import Config
+from .models import resolve_dtype
 from .prompts import PROGRAM_CLOSE
 
 
@@ -56,9 +57,9 @@ class VllmEngine:
 
         r = cfg.rollout
         args = AsyncEngineArgs(
-            model=model_path, tokenizer=model_path, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-            enable_prefix_caching=True, logprobs_mode="processed_logprobs", seed=seed,
-            trust_remote_code=cfg.model.trust_remote_code,
+            model=model_path, tokenizer=model_path, dtype=resolve_dtype(cfg.model.dtype),
+            max_model_len=cfg.model.max_model_len, enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs", seed=seed, trust_remote_code=cfg.model.trust_remote_code,
             # On CPU this is the fraction of free RAM vLLM insists on at start (the KV cache size
             # itself comes from VLLM_CPU_KVCACHE_SPACE); on GPU it is the usual memory fraction.
             gpu_memory_utilization=r.cpu_memory_fraction if cpu else r.gpu_memory_utilization,

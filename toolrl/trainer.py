@@ -25,6 +25,7 @@ import torch
 from .config import Config
 from .grpo_loss import BatchCounts, grpo_loss, sft_loss
 from .logprobs import completion_logprobs, pack_samples, shared_prompt_logprobs
+from .models import resolve_dtype
 from .protocol import Sample
 
 
@@ -164,7 +165,7 @@ class Trainer:
         lc = cfg.learner
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        dtype = torch.bfloat16 if lc.dtype == "bfloat16" else torch.float32
+        dtype = getattr(torch, resolve_dtype(lc.dtype))
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         # Each distinct prompt computed once (toolrl.logprobs.shared_prompt_logprobs) needs a KV
         # cache, which gradient checkpointing turns off: then every row runs its own prompt.
@@ -397,7 +398,8 @@ class Trainer:
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        named = dict(self.export_state(torch.bfloat16 if self.cfg.model.dtype == "bfloat16" else None))
+        bf16 = resolve_dtype(self.cfg.model.dtype) == "bfloat16"
+        named = dict(self.export_state(torch.bfloat16 if bf16 else None))
         base = self.module.get_base_model() if self.lora else self.module
         if self.rank == 0:
             save_file(named, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -42,9 +42,9 @@ def load_reference_model(cfg: Config):
     """The frozen reference: cfg.model.name in cfg.model.dtype on cfg.ref_server.device."""
     from transformers import AutoModelForCausalLM
 
-    from ..models import resolve_model
+    from ..models import resolve_dtype, resolve_model
 
-    dtype = cfg.model.dtype if cfg.model.dtype == "auto" else getattr(torch, cfg.model.dtype)
+    dtype = getattr(torch, resolve_dtype(cfg.model.dtype))
     model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model.name), dtype=dtype,
                                                  trust_remote_code=cfg.model.trust_remote_code)
     model = model.to(resolve_device(cfg.ref_server.device)).eval()
