@@ -1,13 +1,22 @@
 """Rollout benchmark: tool-interleaved rollouts vs plain generation vs lock-step rounds.
 
-    python bench/rollout.py [--model smollm2-135m-instruct] [--samples 16] [--seed 0] [--plans synthetic|equal|FILE]
+    python bench/rollout.py [--model smollm2-135m-instruct] [--samples 16] [--seed 0]
+                            [--plans equal|synthetic|FILE] [--dtype float32|bfloat16]
 
 All three modes generate exactly the same tokens' worth of work on the same prompts: every
-sample follows a plan of segment lengths (different numbers of tool calls per sample, different
-segment lengths), generated with ignore_eos so lengths are exact. --plans picks the plan: synthetic
-(0-3 tool calls, segments of 16-96 tokens; the default), equal (every sample the same length, cut
-by 0-3 tool calls), or the segment lengths of real rollouts from a file. Tool time is excluded by a
-zero-latency executor stub that exists only here.
+sample follows a plan of segment lengths, generated with ignore_eos so lengths are exact. Tool
+time is excluded by a zero-latency executor stub that exists only here. --plans picks the plan:
+
+- equal (the default): every sample generates the same 168 tokens and they differ only in how
+  many tool calls cut them (0-3, at random places): the issue's workload, "the same number of
+  generated tokens" and "samples that make different numbers of tool calls", with nothing else
+  varying. It is also what a batch looks like when samples run to the token budget.
+- synthetic: 0-3 tool calls with segments of 16-96 tokens, so samples differ in length too.
+- a file: the segment lengths of real rollouts (bench/plans/*.json, or a rollout-only JSONL).
+
+How much lock-step rounds can lose is a property of the plan, printed as lockstep_steps_bound
+(the sum of each round's longest segment over the longest sample's chain): 2.7 for equal, 1.26
+for synthetic, 1.10-1.38 for the untrained SmolLM2's own rollouts (docs/BENCHMARKS.md).
 
 - plain:      each sample generates all its tokens in one request (no tools): the floor;
 - interleaved: toolrl's tool loop (toolrl.rollout.run_rollout) on vLLM's async engine: each sample
@@ -32,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from toolrl.config import load_config  # noqa: E402
 from toolrl.engine import GenOut, VllmEngine  # noqa: E402
-from toolrl.models import load_tokenizer, resolve_model  # noqa: E402
+from toolrl.models import load_tokenizer, resolve_dtype, resolve_model  # noqa: E402
 from toolrl.protocol import ToolCall  # noqa: E402
 from toolrl.rollout import run_rollout, tool_segment_ids  # noqa: E402
 
@@ -140,15 +149,17 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--plans", default="synthetic",
-                    help="synthetic: 0-3 tool calls, segments of 16-96 tokens; equal: every sample 168 tokens, "
-                         "split by 0-3 tool calls; or a file of real rollouts' segment lengths: a "
+    ap.add_argument("--dtype", default=None, help="the engine's dtype (default: configs/cpu_demo.yaml's)")
+    ap.add_argument("--plans", default="equal",
+                    help="equal: every sample 168 tokens, split by 0-3 tool calls; synthetic: 0-3 tool calls, "
+                         "segments of 16-96 tokens; or a file of real rollouts' segment lengths: a "
                          "gen_worker.py --rollout-only JSONL, or a JSON file like bench/plans/*.json")
     args = ap.parse_args()
     # KV cache for every sample at once (46 KB a token for SmolLM2 in fp32): no preemption in any mode
     cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}", "rollout.max_new_tokens=4096",
                                                 "rollout.max_total_tokens=2048", "rollout.max_tool_calls=8",
-                                                "rollout.kv_cache_gb=3"])
+                                                "rollout.kv_cache_gb=3"]
+                      + ([f"model.dtype={args.dtype}"] if args.dtype else []))
     tok = load_tokenizer(args.model)
     rng = random.Random(args.seed)
     if args.plans not in ("synthetic", "equal"):
@@ -211,7 +222,7 @@ def main() -> None:
            "plans": args.plans, "lockstep_steps_bound": round(lockstep_bound(plans), 3),
            "engine_steps": steps, "steps_ratio_lockstep_vs_interleaved":
                round(steps["lockstep"] / steps["interleaved"], 3) if steps.get("interleaved") else None,
-           "threads": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
+           "dtype": resolve_dtype(cfg.model.dtype), "threads": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
     print(json.dumps(res))
 
 
