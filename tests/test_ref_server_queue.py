@@ -152,6 +152,40 @@ def test_async_put_waits_its_turn_then_times_out():
     asyncio.run(main())
 
 
+def test_a_batch_wait_ends_when_the_queue_cannot_grow():
+    """A learner asking for more than the queue can hold while an upload waits for space would wait
+    out its whole window: space frees only by delivery. It gets what is ready at once instead."""
+    async def main():
+        q = AsyncSampleQueue(SampleQueue(6, 10**9))
+        await q.put([mk(i) for i in range(4)])  # 4 of 6 held; the next group of 3 does not fit
+        q.complete(q.core.take_pending(100), None)
+        upload = asyncio.create_task(q.put([mk(10), mk(11), mk(12)], wait_s=30))
+        await asyncio.sleep(0.01)
+        assert q.upload_waiters == 1
+        got = await asyncio.wait_for(q.take_batch(6, 10**6, min_samples=6, wait_s=30), 5)  # not 30 s
+        assert tags(got) == ["g0", "g1", "g2", "g3"]
+        await upload  # the group goes in as soon as the batch freed the space
+        assert q.core.samples == 3
+        # held samples that will become ready are worth waiting for: 3 pending + a waiter, need 3
+        waiting = asyncio.create_task(q.put([mk(20), mk(21), mk(22), mk(23), mk(24)], wait_s=30))
+        batch = asyncio.create_task(q.take_batch(6, 10**6, min_samples=3, wait_s=30))
+        await asyncio.sleep(0.05)
+        assert not batch.done()  # nothing ready yet, and what is held will make 3
+        q.complete(q.core.take_pending(100), None)
+        assert tags(await asyncio.wait_for(batch, 5)) == ["g10", "g11", "g12"]
+        await waiting
+        # the learner already waits when the upload that cannot fit arrives: it is woken
+        q.complete(q.core.take_pending(100), None)  # 5 ready of 6
+        batch = asyncio.create_task(q.take_batch(6, 10**6, min_samples=6, wait_s=30))
+        await asyncio.sleep(0.05)
+        assert not batch.done()
+        upload = asyncio.create_task(q.put([mk(30), mk(31)], wait_s=30))
+        assert len(await asyncio.wait_for(batch, 5)) == 5
+        await upload
+
+    asyncio.run(main())
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 3000), min_size=1, max_size=60), st.integers(64, 8192))
 def test_plan_batches_partitions_and_respects_budget(lengths, budget):

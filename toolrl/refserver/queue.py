@@ -289,6 +289,7 @@ class AsyncSampleQueue:
         self._waiters.append(ticket)
         self._waiting_bytes += nbytes
         core.counters.waited_full += 1
+        self.notify()  # a learner waiting for more than the queue can hold now takes what is ready
         try:
             ok = await self.wait_until(lambda: self._waiters[0] is ticket and core.fits(n, nbytes), wait_s)
             if not ok:
@@ -330,12 +331,21 @@ class AsyncSampleQueue:
                          wait_s: float = 10.0,
                          client_gone: Callable[[], Awaitable[bool]] | None = None) -> list[Entry]:
         """Wait up to `wait_s` for `min_samples` ready samples (capped by max_samples), then take what is
-        ready; [] if nothing is. `client_gone` is checked before taking, so a gone client takes nothing."""
+        ready; [] if nothing is. `client_gone` is checked before taking, so a gone client takes nothing.
+
+        The wait ends early when `min_samples` can never be reached by waiting: an upload is waiting
+        for space and everything held is fewer than needed. Space frees only by delivery, so the
+        queue is stuck until this call takes what is ready (e.g. a 24-sample queue holding 20 after
+        a stale drop, with a 6-sample group waiting, and a learner that wants 24)."""
         need = max(1, min(min_samples, max_samples))
-        await self.wait_until(lambda: self.core.ready >= need, wait_s)
-        if not self.core.ready or (client_gone is not None and await client_gone()):
+        core = self.core
+
+        def enough() -> bool:
+            return core.ready >= need or (bool(self._waiters) and 0 < core.ready and core.samples < need)
+        await self.wait_until(enough, wait_s)
+        if not core.ready or (client_gone is not None and await client_gone()):
             return []
-        out = self.core.take_ready(max_samples, max_tokens)
+        out = core.take_ready(max_samples, max_tokens)
         self.notify()  # space freed for waiting uploads
         return out
 
