@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default=None, help="the engine's dtype (default: configs/cpu_demo.yaml's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the engine, e.g. rollout.block_size=16 (repeatable)")
     ap.add_argument("--plans", default="equal",
                     help="equal: every sample 168 tokens, split by 0-3 tool calls; synthetic: 0-3 tool calls, "
                          "segments of 16-96 tokens; or a file of real rollouts' segment lengths: a "
@@ -159,7 +161,7 @@ def main() -> None:
     cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}", "rollout.max_new_tokens=4096",
                                                 "rollout.max_total_tokens=2048", "rollout.max_tool_calls=8",
                                                 "rollout.kv_cache_gb=3"]
-                      + ([f"model.dtype={args.dtype}"] if args.dtype else []))
+                      + ([f"model.dtype={args.dtype}"] if args.dtype else []) + args.set)
     tok = load_tokenizer(args.model)
     rng = random.Random(args.seed)
     if args.plans not in ("synthetic", "equal"):
@@ -222,7 +224,8 @@ def main() -> None:
            "plans": args.plans, "lockstep_steps_bound": round(lockstep_bound(plans), 3),
            "engine_steps": steps, "steps_ratio_lockstep_vs_interleaved":
                round(steps["lockstep"] / steps["interleaved"], 3) if steps.get("interleaved") else None,
-           "dtype": resolve_dtype(cfg.model.dtype), "threads": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
+           "dtype": resolve_dtype(cfg.model.dtype), "block_size": cfg.rollout.block_size, "overrides": args.set,
+           "threads": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
     print(json.dumps(res))
 
 
