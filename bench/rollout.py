@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from toolrl.config import load_config  # noqa: E402
+from toolrl.config import ConfigError, load_config  # noqa: E402
 from toolrl.engine import GenOut, VllmEngine  # noqa: E402
 from toolrl.models import load_tokenizer, resolve_dtype, resolve_model  # noqa: E402
 from toolrl.protocol import ToolCall  # noqa: E402
@@ -158,10 +158,13 @@ def main() -> None:
                          "gen_worker.py --rollout-only JSONL, or a JSON file like bench/plans/*.json")
     args = ap.parse_args()
     # KV cache for every sample at once (46 KB a token for SmolLM2 in fp32): no preemption in any mode
-    cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}", "rollout.max_new_tokens=4096",
-                                                "rollout.max_total_tokens=2048", "rollout.max_tool_calls=8",
-                                                "rollout.kv_cache_gb=3"]
-                      + ([f"model.dtype={args.dtype}"] if args.dtype else []) + args.set)
+    try:
+        cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}", "rollout.max_new_tokens=4096",
+                                                    "rollout.max_total_tokens=2048", "rollout.max_tool_calls=8",
+                                                    "rollout.kv_cache_gb=3"]
+                          + ([f"model.dtype={args.dtype}"] if args.dtype else []) + args.set)
+    except ConfigError as exc:  # a bad --set or --dtype: one line, exit 2
+        ap.error(str(exc))
     tok = load_tokenizer(args.model)
     rng = random.Random(args.seed)
     if args.plans not in ("synthetic", "equal"):

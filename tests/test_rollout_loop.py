@@ -65,6 +65,13 @@ def boxed(value):
     return f"Done.\n</think>\n<answer>\n\\boxed{{{value}}}\n</answer>"
 
 
+def solve(problem, text):
+    """The right program first, then (once its output is in the prompt) the right answer."""
+    if STOP_MARKER not in text.split(problem.question)[-1]:
+        return prog(problem.meta["expression"].join(["print(", ")"])), STOP_MARKER
+    return boxed(problem.answer), None
+
+
 class ByProblem:
     """A scripted engine for GenWorker: `answer(i, problem, request_id, text)` gives each segment
     as (text, stop), i being the problem's index in `problems` found in the prompt."""
@@ -238,11 +245,9 @@ def test_evaluate_scores_the_policy_alone_and_leaves_training_state_alone(tool):
         """Problem 0: always right, with a program; problem 1: right on the first sample only;
         problem 2: always wrong, no program."""
         calls[p.id] += 1
-        if i == 0 and STOP_MARKER not in text.split(p.question)[-1]:
-            return prog(p.meta["expression"].join(["print(", ")"])), STOP_MARKER
-        if i == 0 or (i == 1 and calls[p.id] == 1):
-            return boxed(p.answer), None
-        return boxed(7), None
+        if i == 0:
+            return solve(p, text)
+        return boxed(p.answer if calls[p.id] == 1 and i == 1 else 7), None
 
     # Level 1 of 3 with a 1-group window: one right answer during training would promote.
     worker = demo_worker(tool, ByProblem(problems, answer), "data.level=1", "data.max_level=3",
@@ -395,9 +400,7 @@ def test_a_slow_tool_call_holds_back_only_its_own_sample(tool):
             await real.end_session(session_id)
 
     async def answer(i, p, request_id, text):
-        if STOP_MARKER not in text.split(p.question)[-1]:
-            return prog(p.meta["expression"].join(["print(", ")"])), STOP_MARKER
-        return boxed(p.answer), None
+        return solve(p, text)
 
     engine = ByProblem(problems, answer)
     worker = demo_worker(tool, engine, "rollout.group_size=3")
