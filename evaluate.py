@@ -35,8 +35,8 @@ def score_main(argv: list[str]) -> None:
         args.config = "configs/cpu_demo.yaml"
     cfg = config_from_args(args)
 
-    from toolrl.data import DataError
-    from toolrl.evaluation import score_program
+    from toolrl.tasks.data import DataError
+    from toolrl.worker.evaluate import score_program
 
     try:
         text = sys.stdin.read() if args.program == "-" else Path(args.program).read_text()
@@ -68,8 +68,8 @@ def main() -> None:
         args.config = "configs/cpu_demo.yaml"
     cfg = config_from_args(args)
 
-    from toolrl.data import DataError
-    from toolrl.evaluation import evaluate, load_task, resolve_eval_model, task_seed
+    from toolrl.tasks.data import DataError
+    from toolrl.worker.evaluate import evaluate, load_task, resolve_eval_model, task_seed
 
     try:
         ks = sorted({int(k) for k in args.ks.split(",") if k.strip()})

@@ -2,13 +2,13 @@
 
     python executor_service.py [--config F] [--set k=v] [--host H] [--port P]
 
-Binds 127.0.0.1 unless told otherwise. All logic lives in toolrl.sandbox (docs/EXECUTOR.md).
+Binds 127.0.0.1 unless told otherwise. All logic lives in toolrl.executor (docs/EXECUTOR.md).
 """
 import argparse
 
 from toolrl.config import add_config_args, config_from_args
-from toolrl.sandbox.service import create_app
-from toolrl.service import serve, setup_logging
+from toolrl.executor.service import create_app
+from toolrl.net import serve, setup_logging
 
 
 def main() -> None:

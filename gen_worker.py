@@ -12,7 +12,7 @@ import asyncio
 import json
 
 from toolrl.config import add_config_args, config_from_args
-from toolrl.service import setup_logging
+from toolrl.net import setup_logging
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     setup_logging("gen_worker")
 
     if args.rollout_only:
-        from toolrl.genworker import GenWorker, rollout_only
+        from toolrl.worker.producer import GenWorker, rollout_only
 
         async def run():
             worker = GenWorker(cfg, worker_id=args.worker_id or "rollout-only")
@@ -45,7 +45,7 @@ def main() -> None:
         print(json.dumps(asyncio.run(run())))
         return
 
-    from toolrl.worker_service import run_service
+    from toolrl.worker.app import run_service
 
     host = args.host or cfg.rollout.host
     port = args.port or cfg.rollout.port

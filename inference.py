@@ -22,7 +22,7 @@ EXAMPLES = [
 
 
 async def answer_all(cfg, questions: list[str], console) -> None:
-    from toolrl.genworker import GenWorker
+    from toolrl.worker.producer import GenWorker
 
     worker = GenWorker(cfg, worker_id="inference")
     try:
@@ -34,8 +34,8 @@ async def answer_all(cfg, questions: list[str], console) -> None:
 
 
 async def answer(worker, cfg, question: str, console, request_id: str) -> None:
-    from toolrl.rewards import extract_answer
-    from toolrl.rollout import run_rollout
+    from toolrl.worker.rewards import extract_answer
+    from toolrl.worker.rollout import run_rollout
 
     ids = worker.prompt_ids(question)
     r = await run_rollout(worker.engine, worker.tool, worker.tokenizer, ids, cfg.rollout, request_id,
@@ -64,7 +64,7 @@ def main() -> None:
 
     from rich.console import Console
 
-    from toolrl.evaluation import executor_available, latest_export, resolve_eval_model
+    from toolrl.worker.evaluate import executor_available, latest_export, resolve_eval_model
 
     console = Console()
     model = args.model or latest_export() or "smollm2-135m-instruct"

@@ -219,5 +219,5 @@ set -e
 progress
 [ "$RC" = 0 ] || { echo "launch.sh: learner failed (exit $RC); last lines:" >&2; tail -n 30 "$RUN_DIR/logs/learner.log" >&2; exit 1; }
 echo "training done; checking every worker against the final policy and writing the report"
-"$PY" -m toolrl.runinfo "$RUN_DIR" "${COMMON[@]}" --wall-s $(( $(date +%s) - STARTED_AT )) | tee "$RUN_DIR/logs/summary.log"
+"$PY" -m toolrl.learner.report "$RUN_DIR" "${COMMON[@]}" --wall-s $(( $(date +%s) - STARTED_AT )) | tee "$RUN_DIR/logs/summary.log"
 echo "summary: $RUN_DIR/summary.json   curves: $RUN_DIR/curves.png"

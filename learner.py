@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from toolrl.config import add_config_args, config_from_args
-from toolrl.service import setup_logging
+from toolrl.net import setup_logging
 
 
 def main() -> None:
@@ -40,11 +40,11 @@ def main() -> None:
         log.info("pinned to cores %s, %d torch threads", cfg.learner.cpu_cores, torch.get_num_threads())
 
     from toolrl.models import resolve_dtype, resolve_model
-    from toolrl.monitor import Monitor, batch_stats
+    from toolrl.learner.monitor import Monitor, batch_stats
     from toolrl.protocol import sample_record
     from toolrl.refserver.client import RefServerClient
-    from toolrl.sync import WeightSync
-    from toolrl.trainer import Trainer, out_of_time
+    from toolrl.weightsync.pusher import WeightSync
+    from toolrl.learner.trainer import Trainer, out_of_time
 
     trainer = Trainer(cfg, resolve_model(cfg.model.name))
     rank0 = trainer.rank == 0
@@ -71,7 +71,7 @@ def main() -> None:
         Rank 0 only; a failure is logged, never fatal to training."""
         if not rank0:
             return
-        from toolrl.evaluation import evaluate_on_worker
+        from toolrl.worker.evaluate import evaluate_on_worker
 
         t, deadline = time.time(), time.time() + min(300.0, cfg.eval.timeout_s)
         while True:

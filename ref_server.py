@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from toolrl.config import add_config_args, config_from_args
-from toolrl.service import serve, setup_logging
+from toolrl.net import serve, setup_logging
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from toolrl.sandbox.client import AsyncExecutorClient, ExecutorClient  # noqa: E402
-from toolrl.sandbox.local import LocalExecutor  # noqa: E402
+from toolrl.executor.client import AsyncExecutorClient, ExecutorClient  # noqa: E402
+from toolrl.executor.local import LocalExecutor  # noqa: E402
 
 SNIPPET = "print(1+1)"
 

@@ -61,7 +61,7 @@ def bench_step(args) -> dict:
     from toolrl.config import load_config
     from toolrl.logprobs import pack_samples
     from toolrl.models import resolve_dtype, resolve_model
-    from toolrl.trainer import Trainer
+    from toolrl.learner.trainer import Trainer
 
     cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}", f"learner.dtype={args.dtype}",
                                                 "learner.micro_batch_tokens=4096", "logging.wandb_mode=disabled"])
@@ -71,7 +71,7 @@ def bench_step(args) -> dict:
     engine = tr.engine
 
     def plain_step():
-        from toolrl.trainer import micro_batches
+        from toolrl.learner.trainer import micro_batches
 
         mbs = micro_batches(batch, cfg.learner.micro_batch_tokens)
         for k, mb in enumerate(mbs):
@@ -110,7 +110,7 @@ def bench_step(args) -> dict:
 def write_buckets(named, d: Path, bucket_mb: int = 64) -> int:
     """The update as a worker holds it once received: one safetensors file per bucket."""
     from toolrl.protocol import bucketize, encode_weight_bucket
-    from toolrl.weights import bucket_file, ready_file
+    from toolrl.weightsync.http import bucket_file, ready_file
 
     buckets = bucketize(named, bucket_mb << 20)
     for i, b in enumerate(buckets):
@@ -128,7 +128,7 @@ def bench_reload(args, named) -> dict:
     from safetensors.torch import save_file
 
     from toolrl.config import load_config
-    from toolrl.engine import VllmEngine
+    from toolrl.worker.engine import VllmEngine
     from toolrl.models import resolve_model
 
     cfg = load_config("configs/cpu_demo.yaml", [f"model.name={args.model}"])
@@ -167,7 +167,7 @@ def bench_reload(args, named) -> dict:
 
 
 def bench_sync(args, named) -> dict:
-    from toolrl.weights import push_weights
+    from toolrl.weightsync.http import push_weights
 
     before = bench_reload(args, named)
     d = Path(tempfile.mkdtemp(prefix="bench-sync-"))
@@ -192,7 +192,7 @@ def bench_sync(args, named) -> dict:
             print(f"  sync v{v}: push {a['push_s']:.2f}s (load while receiving {a['reload_s']:.2f}s, "
                   f"drain {a['drain_s']:.2f}s)", flush=True)
         # the other transport, same worker: a broadcast on a gloo process group (NCCL on GPUs)
-        from toolrl.broadcast import LearnerGroup
+        from toolrl.weightsync.process_group import LearnerGroup
 
         group, broadcasts = LearnerGroup({"id": "bench", "url": url}, "127.0.0.1", timeout_s=600), []
         for v in range(args.repeats + 2, 2 * args.repeats + 3):

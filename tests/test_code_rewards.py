@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from toolrl.codetasks import load_apps, load_code_task, load_humaneval, load_mbpp, program_for, split
-from toolrl.data import DataError
-from toolrl.codetests import TestSpec, extract_code, judge, new_nonce, run_tests
-from toolrl.sandbox.client import ExecutorClient
-from toolrl.sandbox.local import LocalExecutor
+from toolrl.tasks.code.loaders import load_apps, load_code_task, load_humaneval, load_mbpp, program_for, split
+from toolrl.tasks.data import DataError
+from toolrl.tasks.code.judge import TestSpec, extract_code, judge, new_nonce, run_tests
+from toolrl.executor.client import ExecutorClient
+from toolrl.executor.local import LocalExecutor
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parent.parent

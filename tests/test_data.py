@@ -4,10 +4,10 @@ from pathlib import Path
 import pytest
 
 from toolrl.config import DataConfig
-from toolrl.data import (
+from toolrl.tasks.data import (
     LEVELS, DataError, arithmetic_problem, arithmetic_problems, load_gsm8k, load_jsonl, load_math, load_problems,
 )
-from toolrl.parsing import extract_program, last_boxed
+from toolrl.format import extract_program, last_boxed
 
 FIX = Path(__file__).parent / "fixtures"
 

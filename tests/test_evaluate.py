@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from toolrl.data import DataError
-from toolrl.evaluation import load_task, pass_at_k, resolve_eval_model
+from toolrl.tasks.data import DataError
+from toolrl.worker.evaluate import load_task, pass_at_k, resolve_eval_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def test_arithmetic_level_ranges_take_the_levels_in_turn():
 
 
 def test_code_task_is_the_held_out_split():
-    from toolrl.codetasks import load_humaneval, split
+    from toolrl.tasks.code.loaders import load_humaneval, split
 
     held = load_task("code:humaneval", 100, seed=0, level=1)
     assert [p.id for p in held] == [p.id for p in split(load_humaneval(), 0)[1]] and len(held) == 33
@@ -93,7 +93,7 @@ def test_bad_arguments_fail_clearly():
 
 
 def test_summary_breaks_mixed_levels_down():
-    from toolrl.evaluation import summarize
+    from toolrl.worker.evaluate import summarize
     from toolrl.protocol import Sample, ToolCall
 
     problems = load_task("arithmetic:1-2", 4, seed=3, level=1)

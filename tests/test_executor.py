@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from toolrl.sandbox.client import ExecutorClient
-from toolrl.sandbox.local import LocalExecutor
+from toolrl.executor.client import ExecutorClient
+from toolrl.executor.local import LocalExecutor
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from test_executor import processes_with_uid, sandbox_pid_ns, wait_for
-from toolrl.sandbox.client import ExecutorClient
-from toolrl.sandbox.local import LocalExecutor
+from toolrl.executor.client import ExecutorClient
+from toolrl.executor.local import LocalExecutor
 
 pytestmark = pytest.mark.timeout(120)
 

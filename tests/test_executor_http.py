@@ -11,10 +11,10 @@ import time
 import httpx
 import pytest
 
-from toolrl.sandbox.api import ExecResult
-from toolrl.sandbox.client import (AsyncExecutorClient, ExecutorClient, ExecutorRequestError,
+from toolrl.executor.api import ExecResult
+from toolrl.executor.client import (AsyncExecutorClient, ExecutorClient, ExecutorRequestError,
                                    ExecutorUnavailable)
-from toolrl.sandbox.local import LocalExecutor, free_port
+from toolrl.executor.local import LocalExecutor, free_port
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "s3cret-token"

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from test_executor import processes_with_uid, sandbox_pid_ns, wait_for
-from toolrl.sandbox.client import AsyncExecutorClient, ExecutorClient
-from toolrl.sandbox.local import LocalExecutor
+from toolrl.executor.client import AsyncExecutorClient, ExecutorClient
+from toolrl.executor.local import LocalExecutor
 
 pytestmark = pytest.mark.timeout(120)
 TTL_S = 1.5

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from toolrl.sandbox import ipc
-from toolrl.sandbox.output import Capture
-from toolrl.sandbox.sessions import SessionManager, SessionsFull
+from toolrl.executor import ipc
+from toolrl.executor.output import Capture
+from toolrl.executor.sessions import SessionManager, SessionsFull
 
 
 def test_capture_under_the_cap_is_exact():

@@ -93,7 +93,7 @@ def test_workers_register_and_report(stack, samples):
 
 
 def test_tool_output_in_the_token_stream_is_the_executors_and_masked(stack, samples):
-    from toolrl.sandbox.client import ExecutorClient
+    from toolrl.executor.client import ExecutorClient
 
     tok = load_tokenizer(stack["cfg"].model.name)
     checked = 0
@@ -144,7 +144,7 @@ def _score(model, prompt, tokens):
 
 
 def test_update_weights_changes_logprobs_to_the_new_weights(stack, samples, hf):
-    from toolrl.weights import push_weights
+    from toolrl.weightsync.http import push_weights
 
     url = stack["worker"]
     prompt = load_tokenizer(stack["cfg"].model.name).encode("The capital of France is")
@@ -209,7 +209,7 @@ def test_an_update_cut_off_part_way_holds_rollouts_until_a_whole_one_loads(stack
     """The engine loads bucket 0 while bucket 1 is on the wire; if bucket 1 is bad, the weights are
     a mix: the worker must say so, generate nothing, and recover with the next whole update."""
     from toolrl.protocol import bucketize
-    from toolrl.weights import push_weights
+    from toolrl.weightsync.http import push_weights
 
     url = stack["worker"]
     named = [(n, t.detach().clone()) for n, t in hf.state_dict().items()]
@@ -246,8 +246,8 @@ def test_weights_by_broadcast_on_a_process_group(stack, hf):
     """sync_transport=process_group: the learner broadcasts on a gloo group (NCCL on GPUs) into the
     engine, no files; the worker's logprobs then equal the learner's weights'. A refused update
     fails fast instead of waiting out the broadcast timeout."""
-    from toolrl.broadcast import LearnerGroup
-    from toolrl.weights import WeightSyncError
+    from toolrl.weightsync.process_group import LearnerGroup
+    from toolrl.weightsync.http import WeightSyncError
 
     url = stack["worker"]
     torch.manual_seed(1)

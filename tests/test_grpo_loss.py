@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from toolrl.config import GRPOConfig
-from toolrl.grpo_loss import BatchCounts, grpo_loss, sft_loss
+from toolrl.grpo import BatchCounts, grpo_loss, sft_loss
 
 # Two sequences, four completion positions. Sequence 0: tokens 0-2 generated, 3 is tool output.
 # Sequence 1: tokens 0 and 2 generated, 1 is tool output, 3 is padding.
@@ -110,7 +110,7 @@ def test_tis_caps_stale_weights():
 
 def test_shared_prompt_micro_batches_keep_groups_whole_within_budget():
     from toolrl.protocol import Sample
-    from toolrl.trainer import micro_batches
+    from toolrl.learner.trainer import micro_batches
 
     def smp(prompt, c):
         return Sample(prompt_ids=[prompt] * 300, completion_ids=[1] * c, loss_mask=[1] * c, logprobs=[0.0] * c,

@@ -33,7 +33,7 @@ def make_cfg(*extra):
 
 
 def make_trainer(*extra):
-    from toolrl.trainer import Trainer
+    from toolrl.learner.trainer import Trainer
 
     return Trainer(make_cfg(*extra), resolve_model("tiny-random"))
 
@@ -167,7 +167,7 @@ def test_lora_sync_merges_the_adapter(tmp_path):
 
 
 def test_time_budget_stops_before_a_step_that_would_overrun_it():
-    from toolrl.trainer import out_of_time
+    from toolrl.learner.trainer import out_of_time
 
     assert not out_of_time(None, 1e9, 1e9)
     assert not out_of_time(600, 0, 0)  # the first step always runs
@@ -182,7 +182,7 @@ import json, os, sys
 sys.path.insert(0, "tests")
 from test_learner import batch, make_cfg
 from toolrl.models import resolve_model
-from toolrl.trainer import Trainer
+from toolrl.learner.trainer import Trainer
 
 rank = int(os.environ["RANK"])
 tr = Trainer(make_cfg("learner.micro_batch_tokens=64", "learner.zero_stage=2"), resolve_model("tiny-random"))

@@ -3,7 +3,7 @@ import pytest
 from toolrl.advantages import group_advantages, zero_variance
 from toolrl.config import RewardConfig, RewardSchedule
 from toolrl.protocol import ToolCall
-from toolrl.rewards import REWARDS, Completion, extract_answer, register_reward, score, weights_at
+from toolrl.worker.rewards import REWARDS, Completion, extract_answer, register_reward, score, weights_at
 
 
 def comp(text, final=None, calls=()):
@@ -100,7 +100,7 @@ def test_group_advantages():
 
 
 def test_code_rewards_read_the_test_results():
-    from toolrl.codetests import TestResult, TestSpec
+    from toolrl.tasks.code.judge import TestResult, TestSpec
 
     spec = TestSpec("assert", tests=["assert f() == 1", "assert f() == 1", "assert f() == 1"]).to_json()
     cfg = RewardConfig(weights={"tests": 1.0, "correct": 0.5, "code_format": 0.1})
@@ -120,7 +120,7 @@ def test_code_rewards_read_the_test_results():
 
 
 def test_bad_teacher_trace_files_get_one_clear_error(tmp_path):
-    from toolrl.teacher import load_code_traces
+    from toolrl.worker.teacher import load_code_traces
 
     good = tmp_path / "t.jsonl"
     good.write_text('{"id": "mbpp:1", "code": "x = 1", "thinking": ""}\n\n{"id": "mbpp:1", "code": "x = 2"}\n')

@@ -11,19 +11,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from procs import Proc, free_port  # noqa: E402
 
 from toolrl.config import RolloutConfig  # noqa: E402
-from toolrl.data import arithmetic_problems  # noqa: E402
-from toolrl.engine import GenOut  # noqa: E402
+from toolrl.tasks.data import arithmetic_problems  # noqa: E402
+from toolrl.worker.engine import GenOut  # noqa: E402
 from toolrl.models import load_tokenizer  # noqa: E402
 from toolrl.prompts import STOP_MARKER, format_tool_result  # noqa: E402
-from toolrl.rollout import TRUNCATION_MARK, ExecutorTool, run_rollout, tool_segment_ids  # noqa: E402
-from toolrl.teacher import teacher_sample  # noqa: E402
+from toolrl.worker.rollout import TRUNCATION_MARK, ExecutorTool, run_rollout, tool_segment_ids  # noqa: E402
+from toolrl.worker.teacher import teacher_sample  # noqa: E402
 
 TOK = load_tokenizer("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")
 def tool(tmp_path_factory):
-    from toolrl.sandbox.client import AsyncExecutorClient
+    from toolrl.executor.client import AsyncExecutorClient
 
     port = free_port()
     p = Proc("executor", ["executor_service.py", "--port", str(port)], tmp_path_factory.mktemp("ex"))
@@ -90,7 +90,7 @@ class ByProblem:
 
 def demo_worker(tool, engine, *sets):
     from toolrl.config import load_config
-    from toolrl.genworker import GenWorker
+    from toolrl.worker.producer import GenWorker
 
     cfg = load_config("configs/cpu_demo.yaml", [f"executor.url={tool().client.url}", *sets])
     return GenWorker(cfg, worker_id="t", engine=engine)
@@ -163,7 +163,7 @@ def test_errors_and_missing_code_are_tool_errors(tool):
 
 
 def test_a_dead_executor_is_a_tool_error_not_a_hang():
-    from toolrl.sandbox.client import AsyncExecutorClient
+    from toolrl.executor.client import AsyncExecutorClient
 
     dead = ExecutorTool(AsyncExecutorClient(f"http://127.0.0.1:{free_port()}", timeout_s=2, retries=1))
     r = run(Script([(prog("print(1)"), STOP_MARKER), ("end", None)]), dead)
@@ -195,7 +195,7 @@ def test_teacher_traces_have_the_rollout_layout(tool):
 
 
 def test_expression_in_words():
-    from toolrl.teacher import expression_in_words
+    from toolrl.worker.teacher import expression_in_words
 
     assert expression_in_words("148 * 36 - 2915") == "148 times 36, minus 2915"
     assert expression_in_words("(2 * 3 + 4 * 5) * 6 - 7") == "(2 times 3, plus 4 times 5) times 6, minus 7"
@@ -205,7 +205,7 @@ def test_a_code_group_is_scored_by_its_tests_with_a_teacher_trace(tool, tmp_path
     """GenWorker on a code task (scripted engine, real executor): the tests reward is the fraction
     of tests passed, correct is all-or-nothing, and the teacher trace is the reference solution."""
     from toolrl.config import load_config
-    from toolrl.genworker import GenWorker
+    from toolrl.worker.producer import GenWorker
 
     url = tool().client.url
     fixture = Path(__file__).parent / "fixtures" / "mbpp_sample.jsonl"
@@ -269,7 +269,7 @@ def test_curriculum_promotes_on_accuracy_and_mix_levels_keeps_reviewing():
     from types import SimpleNamespace
 
     from toolrl.config import load_config
-    from toolrl.genworker import GenWorker
+    from toolrl.worker.producer import GenWorker
 
     def worker(*sets):
         cfg = load_config("configs/cpu_demo.yaml", ["data.promote_window=2", "data.promote_at_accuracy=0.5",

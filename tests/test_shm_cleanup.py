@@ -5,8 +5,8 @@ import mmap
 import subprocess
 import sys
 
-from toolrl.trainer import clear_stale_shm_buffers
-from toolrl.weights import WeightAssembler, remove_stale_weight_dirs
+from toolrl.learner.trainer import clear_stale_shm_buffers
+from toolrl.weightsync.http import WeightAssembler, remove_stale_weight_dirs
 
 
 def dead_pid() -> int:

@@ -10,11 +10,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from procs import ROOT, Proc, free_port  # noqa: E402
-from toolrl.codetasks import load_mbpp  # noqa: E402
-from toolrl.codetests import TestSpec, run_tests  # noqa: E402
+from toolrl.tasks.code.loaders import load_mbpp  # noqa: E402
+from toolrl.tasks.code.judge import TestSpec, run_tests  # noqa: E402
 from toolrl.models import resolve_model  # noqa: E402
-from toolrl.sandbox.client import ExecutorClient  # noqa: E402
-from toolrl.sandbox.local import LocalExecutor  # noqa: E402
+from toolrl.executor.client import ExecutorClient  # noqa: E402
+from toolrl.executor.local import LocalExecutor  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 TASKS = ROOT / "tests" / "fixtures" / "mbpp_trivial.jsonl"
@@ -39,7 +39,7 @@ def server(tmp_path_factory):
 
 def test_traces_are_collected_scored_and_kept_only_when_they_pass(server, tmp_path):
     out, rej = tmp_path / "traces.jsonl", tmp_path / "rejected.jsonl"
-    p = subprocess.run([sys.executable, "-m", "toolrl.teacher_traces", "--base-url", server, "--model", "smol",
+    p = subprocess.run([sys.executable, "-m", "toolrl.tasks.code.traces", "--base-url", server, "--model", "smol",
                         "--tasks", f"mbpp:{TASKS}", "--split", "all", "--samples", "6", "--concurrency", "4",
                         "--temperature", "0.8", "--request-seed", "0", "--max-tokens", "256",
                         "--out", str(out), "--rejected", str(rej),
@@ -62,7 +62,7 @@ def test_traces_are_collected_scored_and_kept_only_when_they_pass(server, tmp_pa
 
 
 def test_unreachable_server_is_a_clear_failure_after_retries(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "toolrl.teacher_traces", "--base-url",
+    p = subprocess.run([sys.executable, "-m", "toolrl.tasks.code.traces", "--base-url",
                         f"http://127.0.0.1:{free_port()}/v1", "--model", "x", "--tasks", f"mbpp:{TASKS}",
                         "--split", "all", "--n", "1", "--retries", "1", "--out", str(tmp_path / "t.jsonl"), "--quiet"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -14,8 +14,8 @@ from safetensors.torch import load, save
 
 from toolrl.protocol import (CorruptPayload, PayloadTooLarge, bucketize, encode_weight_bucket, frame_weight_bucket,
                              pack)
-from toolrl.vllm_ext import iter_bucket_files
-from toolrl.weights import BucketOrderError, UpdateAborted, WeightAssembler, abort_file, bucket_file, ready_file
+from toolrl.weightsync.vllm_ext import iter_bucket_files
+from toolrl.weightsync.http import BucketOrderError, UpdateAborted, WeightAssembler, abort_file, bucket_file, ready_file
 
 
 def _named(seed=0):

@@ -171,7 +171,7 @@ class RewardSchedule(Section):
 
 
 class RewardConfig(Section):
-    # name -> weight. Names are registered reward functions (toolrl.rewards); add your own there.
+    # name -> weight. Names are registered reward functions (toolrl.worker.rewards); add your own there.
     weights: dict[str, float] = Field(default_factory=lambda: {"correct": 1.0, "format": 0.1, "tool": 0.1})
     schedule: dict[str, RewardSchedule] = Field(default_factory=dict)
     tool_bonus_cap: int = Field(2, ge=0)
@@ -201,7 +201,7 @@ class TeacherConfig(Section):
     """Teacher traces mixed into the upload, learned by the SFT term (w_teacher)."""
 
     traces_per_group: int = Field(0, ge=0)  # teacher traces added to each group
-    # Code tasks: traces collected from a teacher model (python -m toolrl.teacher_traces); tasks
+    # Code tasks: traces collected from a teacher model (python -m toolrl.tasks.code.traces); tasks
     # without one fall back to the data's reference solution. Arithmetic traces are programmatic.
     traces_path: str | None = None
     # w_teacher decays as the policy improves: w_teacher * max(0, 1 - accuracy_ema / decay_at_accuracy)
@@ -243,7 +243,7 @@ class LearnerConfig(Section):
     logprob_chunk: int = Field(1024, ge=16)
     sync_every: int = Field(1, ge=1)
     # http: bucketed safetensors streamed to each worker (any machine). process_group: broadcast
-    # on a two-rank group per worker, NCCL between GPUs, gloo on CPU (toolrl.broadcast); workers
+    # on a two-rank group per worker, NCCL between GPUs, gloo on CPU (toolrl.weightsync.process_group); workers
     # must reach the learner at sync_host.
     sync_transport: Literal["http", "process_group"] = "http"
     sync_host: str = "127.0.0.1"

@@ -16,13 +16,13 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..config import Config
-from ..protocol import CONTENT_TYPE, PayloadTooLarge, WireFormatError, decode_samples, encode_samples
-from ..service import bearer_auth, install_error_handlers, read_body_capped
-from . import metrics
-from .queue import AsyncSampleQueue, GroupTooLarge, QueueFull, SampleQueue
-from .reference import Reference
-from .registry import RegistryError, WorkerRegistry
+from toolrl.config import Config
+from toolrl.protocol import CONTENT_TYPE, PayloadTooLarge, WireFormatError, decode_samples, encode_samples
+from toolrl.net import bearer_auth, install_error_handlers, read_body_capped
+from toolrl.refserver import metrics
+from toolrl.refserver.queue import AsyncSampleQueue, GroupTooLarge, QueueFull, SampleQueue
+from toolrl.refserver.reference import Reference
+from toolrl.refserver.registry import RegistryError, WorkerRegistry
 
 MAX_UPLOAD_WAIT_S = 60.0  # a client may ask /upload to wait this long for space
 MAX_UPLOAD_WAITERS = 64  # uploads waiting for space at once (each holds its decoded group)

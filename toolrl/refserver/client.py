@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from ..protocol import CONTENT_TYPE, Sample, decode_samples, encode_samples
-from ..service import auth_headers
+from toolrl.protocol import CONTENT_TYPE, Sample, decode_samples, encode_samples
+from toolrl.net import auth_headers
 
 log = logging.getLogger("toolrl.refserver.client")
 _RETRY_STATUS = (502, 503, 504)

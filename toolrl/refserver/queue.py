@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from ..protocol import Sample
+from toolrl.protocol import Sample
 
 
 def sample_nbytes(s: Sample) -> int:

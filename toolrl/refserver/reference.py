@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ..config import Config
-from ..logprobs import completion_logprobs, pack_samples
-from ..protocol import Sample
-from .queue import AsyncSampleQueue, Entry
+from toolrl.config import Config
+from toolrl.logprobs import completion_logprobs, pack_samples
+from toolrl.protocol import Sample
+from toolrl.refserver.queue import AsyncSampleQueue, Entry
 
 WINDOW_BUDGETS = 2  # a window spans this many token budgets: room to sort by length, bounded latency
 
@@ -42,7 +42,7 @@ def load_reference_model(cfg: Config):
     """The frozen reference: cfg.model.name in cfg.model.dtype on cfg.ref_server.device."""
     from transformers import AutoModelForCausalLM
 
-    from ..models import resolve_dtype, resolve_model
+    from toolrl.models import resolve_dtype, resolve_model
 
     dtype = getattr(torch, resolve_dtype(cfg.model.dtype))
     model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model.name), dtype=dtype,

@@ -1,0 +1,233 @@
+"""Lanes and the sweeper.
+
+A lane is what one runner runs in: its own unprivileged uid, its own working directory (a private
+tmpfs owned by that uid, mode 0700, under a root-owned 0711 directory, so other lanes can neither
+list nor enter it), and its own cgroups. A one-shot slot is a lane reused run after run (cleaned in
+between); a session is a lane that lives as long as the session.
+
+The sweeper kills everything a lane's uid still owns. It is a small helper forked before the heavy
+imports (so its own forks are cheap) that forks a child, drops to the uid and calls kill(-1, SIGKILL)
+until /proc shows no live process of that uid: kill(-1) as a uid reaches exactly that uid's
+processes, atomically with respect to fork, wherever they went (setsid, double fork). Its return
+value says nothing (it succeeds whenever any process exists), hence the /proc check.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import struct
+import time
+
+from toolrl.executor import isolation
+
+_REQ = struct.Struct(">I")
+_REPLY = struct.Struct(">IB")
+
+
+class Lane:
+    __slots__ = ("name", "uid", "workdir", "mounted", "procs", "pdeathsig")
+
+    def __init__(self, name: str, uid: int | None, workdir: str, mounted: bool, procs: list[str],
+                 pdeathsig: bool):
+        self.name, self.uid, self.workdir, self.mounted, self.procs = name, uid, workdir, mounted, procs
+        self.pdeathsig = pdeathsig  # no PID namespace: runners must die with their parent themselves
+
+    def for_child(self) -> dict:
+        return {"uid": self.uid, "workdir": self.workdir, "cgroup_procs": self.procs,
+                "pdeathsig": self.pdeathsig}
+
+
+class LaneFactory:
+    def __init__(self, scratch: str, report: dict, cgroups, uid_drop: bool, disk_mb: int, max_procs: int):
+        self.scratch = scratch
+        self.private_mounts = bool(report["namespaces"].get("mountns"))
+        self.pdeathsig = not report["namespaces"].get("pidns")
+        self.cgroups = cgroups
+        self.uid_drop = uid_drop
+        self.disk_mb = disk_mb
+        self.max_procs = max_procs
+
+    def make(self, name: str, uid: int) -> Lane:
+        workdir = os.path.join(self.scratch, secrets.token_hex(8))  # unguessable, and the parent is 0711
+        os.mkdir(workdir, 0o700)
+        mounted = False
+        if self.private_mounts:  # a tmpfs per lane: its own size limit, nothing shared with other lanes
+            isolation.mount("tmpfs", workdir, "tmpfs", isolation.MS_NOSUID | isolation.MS_NODEV,
+                            f"size={self.disk_mb}m,nr_inodes={max(1024, self.disk_mb * 64)},mode=0700,"
+                            f"uid={uid},gid={uid}")
+            mounted = True
+        elif self.uid_drop:
+            os.chown(workdir, uid, uid)
+        procs = self.cgroups.create(name, self.max_procs) if self.cgroups else []
+        return Lane(name, uid if self.uid_drop else None, workdir, mounted, procs, self.pdeathsig)
+
+    def clean(self, lane: Lane) -> None:
+        """Empty the working dir between runs; cheap when the run wrote nothing (one getdents)."""
+        with os.scandir(lane.workdir) as it:
+            entries = list(it)
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    shutil.rmtree(e.path)
+                else:
+                    os.unlink(e.path)
+            except FileNotFoundError:
+                pass
+        st = os.lstat(lane.workdir)
+        if st.st_mode & 0o7777 != 0o700:  # the owner may have chmod-ed its own dir
+            os.chmod(lane.workdir, 0o700)
+        if lane.uid is not None and (st.st_uid, st.st_gid) != (lane.uid, lane.uid):
+            os.chown(lane.workdir, lane.uid, lane.uid)
+
+    def destroy(self, lane: Lane) -> None:
+        if lane.mounted:
+            isolation.umount(lane.workdir)
+        else:
+            shutil.rmtree(lane.workdir, ignore_errors=True)
+        try:
+            os.rmdir(lane.workdir)
+        except OSError:
+            pass
+
+
+class Sweeper:
+    def __init__(self):
+        req_r, self._req_w = os.pipe()
+        self.fd, rep_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                _sweeper_main(req_r, rep_w)
+            finally:
+                os._exit(1)
+        os.close(req_r)
+        os.close(rep_w)
+        os.set_blocking(self.fd, False)
+        self._buf = b""
+
+    def request(self, uid: int) -> None:
+        os.write(self._req_w, _REQ.pack(uid))  # 4 bytes to a pipe: atomic, and the helper always reads
+
+    def replies(self) -> list[tuple[int, bool]]:
+        try:
+            self._buf += os.read(self.fd, 4096)
+        except BlockingIOError:
+            pass
+        out = []
+        while len(self._buf) >= _REPLY.size:
+            uid, ok = _REPLY.unpack_from(self._buf)
+            self._buf = self._buf[_REPLY.size:]
+            out.append((uid, bool(ok)))
+        return out
+
+    def close(self) -> None:
+        for fd in (self._req_w, self.fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _sweeper_main(req_r: int, rep_w: int) -> None:
+    os.dup2(req_r, 3)
+    os.dup2(rep_w, 4)
+    os.closerange(5, 1 << 20)
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    while True:
+        data = b""
+        while len(data) < 4:
+            chunk = os.read(3, 4 - len(data))
+            if not chunk:
+                os._exit(0)
+            data += chunk
+        (uid,) = _REQ.unpack(data)
+        pid = os.fork()
+        if pid == 0:
+            ok = 0
+            try:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+                for i in range(2000):
+                    os.kill(-1, signal.SIGKILL)  # succeeds whenever any process exists: check by hand
+                    if not _alive_with_uid(uid):
+                        ok = 1
+                        break
+                    time.sleep(0.0005 if i < 20 else 0.002)
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        os.write(4, _REPLY.pack(uid, 1 if os.waitstatus_to_exitcode(status) == 0 else 0))
+
+
+def _alive_with_uid(uid: int) -> bool:
+    """Any process other than this one, not a zombie, whose real uid is `uid`."""
+    me = str(os.getpid())
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or name == me:
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                status = f.read(2048)
+        except OSError:
+            continue
+        real, state = None, b""
+        for line in status.split(b"\n"):
+            if line.startswith(b"State:"):
+                state = line[6:].strip()[:1]
+            elif line.startswith(b"Uid:"):
+                real = int(line.split()[1])
+                break
+        if real == uid and state not in (b"Z", b"X"):
+            return True
+    return False
+
+
+def sweep_descendants(protect: set[int], proc_consistent: bool) -> None:
+    """No per-lane uid and no cgroups: kill every descendant of this process except `protect`.
+
+    Only meaningful when /proc shows pids as we see them. In a PID namespace whose /proc is the
+    host's (no mount namespace), every process of the namespace is ours: kill(-1) from PID 1
+    reaches exactly those, live sessions included (the worst case; it is in the isolation report)."""
+    if not proc_consistent:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+    me = os.getpid()
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        parents = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    with open(f"/proc/{name}/stat") as f:
+                        parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    pass
+        victims = []
+        for pid in parents:
+            if pid in protect or pid == me:
+                continue
+            cur, seen = parents.get(pid), 0
+            while cur and cur != me and cur not in protect and seen < 64:
+                cur, seen = parents.get(cur), seen + 1
+            if cur == me:
+                victims.append(pid)
+        if not victims:
+            return
+        for pid in victims:
+            _kill(pid)
+        time.sleep(0.002)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

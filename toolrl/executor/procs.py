@@ -1,0 +1,148 @@
+"""The fork server's records (runs, runner processes, slots, sessions) and how an exit becomes a result."""
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import time
+
+from toolrl.executor import ipc, runner
+from toolrl.executor.lanes import Lane
+from toolrl.executor.output import Capture
+
+CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
+
+
+class Run:
+    """One execution in progress."""
+
+    __slots__ = ("job", "t0", "kill_reason", "kill_note", "reset", "cpu0", "done")
+
+    def __init__(self, job: dict, reset: str | None):
+        self.job, self.reset, self.t0 = job, reset, time.monotonic()
+        self.kill_reason = self.kill_note = None
+        self.cpu0 = 0.0
+        self.done = False
+
+
+class Proc:
+    """One runner process and the fork server's ends of its pipes."""
+
+    __slots__ = ("pid", "lane", "owner", "session", "fds", "job_out", "out", "err", "res", "report",
+                 "run", "blocks", "idle_bytes", "vm_base")
+
+    def __init__(self, pid: int, lane: Lane, owner, session, fds: dict, job_w: int, cap: int, vm_base: int):
+        self.pid, self.lane, self.owner, self.session, self.fds = pid, lane, owner, session, fds
+        self.job_out = ipc.OutBuffer(job_w, limit=runner.MAX_JOB)
+        self.out, self.err = Capture(cap), Capture(cap)
+        self.res = ipc.FrameReader(limit=64 << 10)
+        self.report: dict | None = None
+        self.run: Run | None = None
+        self.blocks = 0
+        self.idle_bytes = 0
+        self.vm_base = vm_base  # the address space it started with (RLIMIT_AS is on top of this)
+
+
+class Slot:
+    """A one-shot lane: its spare runner, reused run after run."""
+
+    __slots__ = ("index", "lane", "kind", "proc", "state", "pending", "since", "failures", "last_error")
+
+    def __init__(self, index: int, lane: Lane, kind: str):
+        self.index, self.lane, self.proc, self.state, self.pending = index, lane, None, "cleaning", None
+        self.kind = kind  # which zygote its spares come from: "light" or "heavy"
+        self.since = 0.0  # when its spare was forked
+        self.failures = 0  # spares in a row that died before their job (a broken sandbox set-up)
+        self.last_error = ""
+
+
+class Session:
+    __slots__ = ("index", "lane", "proc", "state", "kill_note", "waiting")
+
+    def __init__(self, index: int, lane: Lane):
+        self.index, self.lane, self.proc, self.state = index, lane, None, "starting"
+        self.kill_note: str | None = None
+        self.waiting: tuple | None = None  # (job, reset) held until its process exists
+
+
+def classify(p: Proc, run: Run, status: int | None, cpu_ms: float, lane_oom) -> dict:
+    """The ExecResult fields for a finished run. status None: a session block that finished with its
+    process alive (its report frame holds the exit code). lane_oom(): did the kernel OOM-kill in the
+    lane's cgroup (asked only for an unexplained SIGKILL)."""
+    rep = p.report if isinstance(p.report, dict) else {}
+    note = run.kill_note
+    if status is None:
+        exit_code = rep.get("x") if isinstance(rep.get("x"), int) else 1
+        signaled = None
+    elif os.WIFSIGNALED(status):
+        signaled = os.WTERMSIG(status)
+        exit_code = -signaled
+    else:
+        signaled = None
+        exit_code = os.waitstatus_to_exitcode(status)
+    if run.kill_reason:
+        word = run.kill_reason
+    elif signaled is not None:
+        limit_ms = (int(run.job["timeout"]) + 1) * 1000
+        if signaled == signal.SIGXCPU or (signaled == signal.SIGKILL and cpu_ms >= limit_ms - 20):
+            word, note = "timeout", "[executor: killed at the CPU time limit]"
+        elif signaled == signal.SIGKILL and lane_oom():
+            word, note = "oom", f"[executor: killed at the memory limit of {run.job['memory_mb']} MB]"
+        elif signaled in CRASH_SIGNALS:
+            word, note = "error", f"[executor: the process crashed: {signal.Signals(signaled).name}]"
+        else:
+            word, note = "killed", f"[executor: killed by {signal.Signals(signaled).name}]"
+    elif rep.get("oom") is True:
+        word = "oom"
+    elif exit_code == 0:
+        word = "ok"
+    else:
+        word = "error"
+    stderr = p.err.text()
+    if note:
+        stderr = stderr + ("\n" if stderr and not stderr.endswith("\n") else "") + note + "\n"
+    return {"status": word, "exit_code": exit_code, "stdout": p.out.text(), "stderr": stderr,
+            "truncated": p.out.truncated or p.err.truncated or word == "output_limit",
+            "wall_ms": round((time.monotonic() - run.t0) * 1000, 3), "cpu_ms": round(cpu_ms, 3)}
+
+
+def synthetic(status: str, note: str) -> dict:
+    """A result for a job that never ran."""
+    return {"status": status, "exit_code": None, "stdout": "", "stderr": note + "\n", "truncated": False,
+            "wall_ms": 0.0, "cpu_ms": 0.0}
+
+
+def describe_exit(status: int, run: Run | None) -> str:
+    if run is not None and run.kill_reason == "timeout":
+        return "the previous block hit its time limit and the process was killed"
+    if run is not None and run.kill_reason == "output_limit":
+        return "the previous block printed too much and the process was killed"
+    if os.WIFSIGNALED(status):
+        return f"the process was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"the process exited with code {os.waitstatus_to_exitcode(status)}"
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def prlimit(pid: int, res: int, value: int) -> None:
+    try:
+        resource.prlimit(pid, res, (value, value + 1 if res == resource.RLIMIT_CPU else value))
+    except (ProcessLookupError, PermissionError, ValueError):
+        pass
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return 0.0

@@ -1,0 +1,110 @@
+"""The fork server's side of sessions: one long-lived runner per session index (its own lane and uid).
+
+A block waits while its session is busy, starting or being cleaned up. A session whose process dies
+(time limit, os._exit, OOM) is reported with the block that killed it (`lost`), or, when it died
+between blocks, with the next block (`reset`). Mixed into ForkServer, whose state it uses.
+"""
+from __future__ import annotations
+
+import logging
+
+from toolrl.executor.output import Capture
+from toolrl.executor.procs import Proc, Session, describe_exit, synthetic
+
+log = logging.getLogger("toolrl.forkserver")
+SESSION_UID_OFFSET = 64  # slot uids are uid_base + [0, 64); session uids follow
+
+
+class SessionRuns:
+    def start_session_block(self, job: dict) -> bool:
+        """False when the job has to wait (its session is busy, starting, or being cleaned up)."""
+        idx, fresh = job["session"], bool(job.get("fresh"))
+        s = self.sessions.get(idx)
+        if s is not None:
+            if s.state != "idle":
+                return False
+            if fresh:  # the front end starts a new session at this index: drop the old process first
+                self.kill_session(idx, "replaced by a new session")
+                return False
+            s.state = "busy"
+            self.start_run(s.proc, job, None)
+            return True
+        lost = self.lost.pop(idx, None)
+        reset = None if fresh else (lost or "the session's process was no longer running")
+        try:
+            lane = self.lanes.make(f"sess{idx}", self.cfg["uid_base"] + SESSION_UID_OFFSET + idx)
+        except OSError as exc:
+            log.error("session %d: could not make its lane: %s", idx, exc)
+            self.answer(job["id"], synthetic("killed", f"[executor: could not start the session: {exc}]"),
+                        lost=f"could not start the session: {exc}")
+            return True
+        s = self.sessions[idx] = Session(idx, lane)
+        s.waiting = (job, reset)
+        self.active += 1  # the block counts from now: its process is on its way
+        self.spawn(lane, None, s, lambda p: self.session_ready(s, p))
+        return True
+
+    def session_ready(self, s: Session, p: Proc | None) -> None:
+        job, reset = s.waiting
+        s.waiting = None
+        self.active -= 1  # start_run counts it again
+        if p is None:
+            self.answer(job["id"], synthetic("killed", "[executor: could not start the session]"),
+                        lost="could not start the session")
+            s.state = "cleaning"
+            self.session_cleaned(s)
+            return
+        s.proc, s.state = p, "busy"
+        self.start_run(p, job, reset)
+        if s.kill_note:  # deleted while it was starting
+            self.kill_run(p, "killed", f"[executor: {s.kill_note}]")
+
+    def session_block_done(self, p: Proc) -> None:
+        run, s = p.run, p.session
+        if run is None or run.done:
+            return
+        self.drain(p)
+        run.done = True
+        cpu = p.report.get("cpu_ms") if isinstance(p.report.get("cpu_ms"), (int, float)) else 0.0
+        result = self.result(p, run, None, float(cpu))
+        p.run, p.report, p.idle_bytes = None, None, 0
+        p.out, p.err = Capture(self.cfg["max_output_bytes"]), Capture(self.cfg["max_output_bytes"])
+        self.active -= 1
+        s.state = "idle"
+        self.answer(run.job["id"], result, reset=run.reset)
+
+    def session_exited(self, p: Proc, status: int, cpu_ms: float) -> None:
+        s = p.session
+        run = p.run
+        why = s.kill_note or describe_exit(status, run)
+        if run is not None and not run.done:
+            run.done = True
+            self.active -= 1
+            cpu = max(0.0, cpu_ms - run.cpu0 * 1000)
+            self.answer(run.job["id"], self.result(p, run, status, cpu), reset=run.reset, lost=why)
+        elif s.kill_note is None:
+            self.lost[s.index] = f"the session's process ended between blocks ({why})"
+        s.proc, s.state = None, "cleaning"
+        self.at(0, lambda: self.ensure_empty(s.lane, lambda ok: self.session_cleaned(s)))
+
+    def session_cleaned(self, s: Session) -> None:
+        try:
+            self.lanes.destroy(s.lane)
+        except OSError as exc:
+            log.error("session %d: could not remove its working dir: %s", s.index, exc)
+        if self.sessions.get(s.index) is s:
+            del self.sessions[s.index]
+
+    def kill_session(self, idx: int, note: str) -> None:
+        self.lost.pop(idx, None)
+        s = self.sessions.get(idx)
+        for job in [j for j in self.queue if j.get("session") == idx]:
+            self.queue.remove(job)
+            self.answer(job["id"], synthetic("killed", f"[executor: {note}]"), lost=note)
+        if s is None:
+            return
+        s.kill_note = note
+        if s.proc is not None:
+            self.kill_run(s.proc, "killed", f"[executor: {note}]")
+
+

@@ -1,0 +1,170 @@
+"""End-of-run report for launch.sh: summary.json, a sync check of every worker, and a PNG of the curves.
+
+    python -m toolrl.learner.report RUN_DIR --config CFG [--set ...] --wall-s S
+
+The sync check asks each live worker for a probe (`POST /probe`) and scores the same tokens
+with the learner's exported weights in transformers: a worker that really holds the final policy
+matches to a small tolerance, and differs from the base model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import httpx
+
+from toolrl.config import add_config_args, config_from_args
+from toolrl.net import auth_headers
+
+PROBE_TEXT = "Question: A box holds 12 rows of 7 eggs. How many eggs?\n"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a run's jsonl log (logs/metrics.jsonl, logs/eval.jsonl); none if it is missing."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def heldout(evals: list[dict]) -> dict:
+    """Before/after figures of the learner's held-out evaluations (eval.before_after)."""
+    out = {}
+    for when, rows in (("before", [e for e in evals if e["tag"] == "before"]),
+                       ("after", [e for e in evals if e["tag"] == "after"])):
+        if rows:
+            e = rows[-1]
+            out.update({f"heldout_accuracy_{when}": e["accuracy"],
+                        f"heldout_tool_calls_per_answer_{when}": e["tool_calls_per_answer"],
+                        f"heldout_code_executed_rate_{when}": e.get("code_executed_rate"),
+                        f"heldout_format_rate_{when}": e["format_rate"],
+                        f"heldout_policy_version_{when}": e["policy_version"]})
+    if evals:
+        out["heldout_problems"] = evals[-1]["n_problems"]
+        out["heldout_samples"] = evals[-1]["n_samples"]
+    return out
+
+
+def probe_workers(cfg, workers: list[dict], export_dir: Path) -> list[dict]:
+    """Each worker's probe logprobs vs the exported policy (and vs the base model)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolrl.logprobs import sample_logprobs
+    from toolrl.models import resolve_model
+    from toolrl.protocol import Sample
+
+    tok = AutoTokenizer.from_pretrained(export_dir)
+    prompt = tok.encode(PROBE_TEXT)
+    models = {"export": AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval(),
+              "base": AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model.name), dtype=torch.float32).eval()}
+    out = []
+    for w in workers:
+        row = {"id": w["id"], "policy_version": int(w.get("policy_version", 0)), "url": w["url"]}
+        try:
+            r = httpx.post(f"{w['url']}/probe", json={"prompt_ids": prompt, "max_tokens": 16, "seed": 7},
+                           headers=auth_headers(cfg.rollout.token), timeout=300)
+            r.raise_for_status()
+            p = r.json()
+            row["policy_version"] = p["policy_version"]
+            s = Sample(prompt_ids=prompt, completion_ids=p["token_ids"], loss_mask=[1] * len(p["token_ids"]),
+                       logprobs=[0.0] * len(p["token_ids"]), group_id="probe")
+            for name, model in models.items():
+                ref = sample_logprobs(model, [s], temperature=p["temperature"])[0]
+                row[f"probe_max_abs_diff_{name}"] = max((abs(a - b) for a, b in zip(p["logprobs"], ref)), default=0.0)
+        except Exception as exc:  # a dead worker is reported, not fatal to the report
+            row["probe_error"] = f"{type(exc).__name__}: {exc}"
+        out.append(row)
+    return out
+
+
+def plot(metrics: list[dict], path: Path, evals: list[dict] = ()) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    panels = [("reward/total_mean", "reward"), ("accuracy", "accuracy"),
+              ("tool_calls_per_sample", "tool calls / sample"), ("loss", "loss"), ("kl", "KL to reference"),
+              ("step_time_s", "step time (s)")]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, (key, title) in zip(axes.flat, panels):
+        ys = [m.get(key) for m in metrics]
+        pts = [(x, y) for x, y in zip(steps, ys) if y is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", ms=3, label="training batches")
+        if key == "accuracy" and evals:
+            ax.plot([e["step"] for e in evals], [e["accuracy"] for e in evals], marker="s", ms=5,
+                    label=f"held-out ({evals[-1]['n_samples']} samples)")
+            ax.legend(fontsize=8)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
+    metrics = read_jsonl(run_dir / "logs" / "metrics.jsonl")
+    workers: list[dict] = []
+    try:
+        from toolrl.refserver.client import RefServerClient
+
+        with RefServerClient(cfg.ref_server.url, token=cfg.ref_server.token, timeout_s=10) as ref:
+            workers = ref.workers()
+    except Exception as exc:
+        print(f"[runinfo] could not list workers: {exc}")
+    export = run_dir / "export"
+    if workers and (export / "config.json").is_file():
+        workers = probe_workers(cfg, workers, export)
+    else:
+        workers = [{"id": w["id"], "policy_version": int(w.get("policy_version", 0))} for w in workers]
+    first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
+    summary = {
+        "steps": int(last.get("step", 0)),
+        "policy_version": int(last.get("policy_version", 0)),
+        "workers": workers,
+        "samples": int(sum(m.get("samples", 0) for m in metrics)),
+        "tool_calls": int(round(sum(m.get("tool_calls_per_sample", 0) * m.get("samples", 0) for m in metrics))),
+        "reward_first": first.get("reward/total_mean"),
+        "reward_last": last.get("reward/total_mean"),
+        "accuracy_first": first.get("accuracy"),
+        "accuracy_last": last.get("accuracy"),
+        "wall_s": wall_s,
+    }
+    evals = read_jsonl(run_dir / "logs" / "eval.jsonl")
+    summary.update(heldout(evals))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if metrics:
+        plot(metrics, run_dir / "curves.png", evals)
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("--wall-s", type=float, default=0.0)
+    add_config_args(parser)
+    args = parser.parse_args()
+    cfg = config_from_args(args)
+    s = summarize(cfg, Path(args.run_dir), args.wall_s)
+    print(f"steps {s['steps']}  policy v{s['policy_version']}  samples {s['samples']}  tool calls {s['tool_calls']}  "
+          f"reward {s['reward_first']} -> {s['reward_last']}  wall {s['wall_s']:.0f}s")
+    if "heldout_accuracy_after" in s:
+        before = s.get("heldout_accuracy_before")
+        print(f"held-out accuracy ({s['heldout_samples']} samples): "
+              + (f"{before:.3f} before -> " if before is not None else "")
+              + f"{s['heldout_accuracy_after']:.3f} after;  tool calls per answer "
+              + (f"{s['heldout_tool_calls_per_answer_before']:.2f} -> " if before is not None else "")
+              + f"{s['heldout_tool_calls_per_answer_after']:.2f}")
+    for w in s["workers"]:
+        print(f"  worker {w['id']}: v{w['policy_version']}  "
+              + ("probe error " + w["probe_error"] if "probe_error" in w else
+                 f"probe |Δ| vs policy {w.get('probe_max_abs_diff_export', float('nan')):.2e}, "
+                 f"vs base {w.get('probe_max_abs_diff_base', float('nan')):.2e}"))
+
+
+if __name__ == "__main__":
+    main()

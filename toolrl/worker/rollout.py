@@ -1,0 +1,173 @@
+"""The tool loop: one sample, from prompt to answer, as segments of token ids.
+
+    prompt | model | tool | model | tool | model ...
+
+Model segments keep vLLM's token ids and logprobs exactly (loss mask 1). Tool segments are the
+executor's output, tokenised once (loss mask 0, no logprob). Each resume sends the whole token
+list back as the prompt; prefix caching makes that cheap. Nothing the model wrote is ever
+decoded and re-tokenised.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from toolrl.config import RolloutConfig
+from toolrl.worker.engine import GenOut
+from toolrl.format import extract_program
+from toolrl.prompts import format_tool_result
+from toolrl.protocol import ToolCall
+
+TRUNCATION_MARK = "\n...[output truncated]\n"
+
+
+class Generator(Protocol):
+    async def generate(self, ids: list[int], max_tokens: int, request_id: str) -> GenOut: ...
+
+
+class Tool(Protocol):
+    async def run(self, code: str, session_id: str | None) -> ToolCall: ...
+    async def end_session(self, session_id: str) -> None: ...
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    segments: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, start, end) in completion
+    stop_reason: str = ""
+    generated: int = 0  # model tokens only
+
+    def add(self, kind: str, ids: list[int], logprobs: list[float] | None) -> None:
+        start = len(self.completion_ids)
+        self.completion_ids += ids
+        if kind == "model":
+            self.loss_mask += [1] * len(ids)
+            self.logprobs += logprobs
+            self.generated += len(ids)
+        else:
+            self.loss_mask += [0] * len(ids)
+            self.logprobs += [None] * len(ids)
+        self.segments.append((kind, start, len(self.completion_ids)))
+
+    def texts(self, tokenizer, prefill: str = "") -> tuple[str, str]:
+        """(the whole completion, what the model wrote after its last tool output); the prompt's
+        prefill (e.g. "<think>\\n") is put back in front, since the model's answer continues it."""
+        text = prefill + tokenizer.decode(self.completion_ids, skip_special_tokens=True)
+        last_tool_end = max((e for k, _, e in self.segments if k == "tool"), default=0)
+        final = tokenizer.decode(self.completion_ids[last_tool_end:], skip_special_tokens=True)
+        return text, (prefill + final if last_tool_end == 0 else final)
+
+
+def tool_output_text(call: ToolCall) -> str:
+    return call.output if call.output.strip() else "(no output)\n"
+
+
+def tool_segment_ids(tokenizer, output: str, max_tokens: int, lead: str = "") -> list[int]:
+    """The inserted text, tokenised once; long output is cut at a token budget with a marker."""
+    body_ids = tokenizer.encode(output, add_special_tokens=False)
+    if len(body_ids) > max_tokens:
+        output = tokenizer.decode(body_ids[:max_tokens]) + TRUNCATION_MARK
+    return tokenizer.encode(lead + format_tool_result(output), add_special_tokens=False)
+
+
+def pending_program(prefill: str, stop_marker: str) -> str | None:
+    """The program a prefill hands to the tool before the model writes anything: a prompt whose
+    assistant turn already ends at the marker is waiting for that program's output."""
+    text = prefill.rstrip()
+    return extract_program(text, stop_marker) if text.endswith(stop_marker) else None
+
+
+async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: list[int], cfg: RolloutConfig,
+                      request_id: str, pending_code: str | None = None) -> Rollout:
+    r = Rollout(prompt_ids=list(prompt_ids))
+    session = request_id if cfg.session_per_rollout else None
+    ran = False  # a program ran in the session: end it, even if its output did not fit
+
+    def insert(call: ToolCall, lead: str = "") -> bool:
+        """Append a call's output, or end the sample if it does not fit: an output that never
+        reaches the model is not part of the sample (no masked span, no tool reward)."""
+        ids = tool_segment_ids(tokenizer, tool_output_text(call), cfg.max_tool_output_tokens, lead)
+        if len(r.prompt_ids) + len(r.completion_ids) + len(ids) >= cfg.max_total_tokens:
+            r.stop_reason = "max_total_tokens"
+            return False
+        r.tool_calls.append(call)
+        r.add("tool", ids, None)
+        return True
+
+    try:
+        if pending_code is not None and tool is not None:
+            call, ran = await tool.run(pending_code, session), True
+            if not insert(call):
+                return r
+        while True:
+            budget = min(cfg.max_new_tokens - r.generated,
+                         cfg.max_total_tokens - len(r.prompt_ids) - len(r.completion_ids))
+            if budget <= 0:
+                r.stop_reason = "length" if cfg.max_new_tokens - r.generated <= 0 else "max_total_tokens"
+                break
+            out = await gen.generate(r.prompt_ids + r.completion_ids, budget, f"{request_id}.{len(r.segments)}")
+            r.add("model", out.token_ids, out.logprobs)
+            if out.stop is None:
+                r.stop_reason = {"stop": "eos", "length": "length"}.get(out.finish_reason, out.finish_reason)
+                if r.stop_reason == "length" and r.generated < cfg.max_new_tokens:
+                    r.stop_reason = "max_total_tokens"
+                break
+            if tool is None or len(r.tool_calls) >= cfg.max_tool_calls:
+                r.stop_reason = "max_tool_calls"
+                break
+            code = extract_program(out.text, cfg.stop_marker)
+            # Stopped at </program> instead of the marker: the harness writes the marker line itself.
+            lead = "" if out.stop == cfg.stop_marker else f"\n{cfg.stop_marker}"
+            if code is None:
+                call = ToolCall(code="", status="error",
+                                output="Error: no ```python block was found before this line.\n")
+            else:
+                call, ran = await tool.run(code, session), True
+            if not insert(call, lead):
+                break
+    finally:
+        if tool is not None and session is not None and ran:
+            await tool.end_session(session)
+    return r
+
+
+class ExecutorTool:
+    """The executor service as the rollout's tool. A dead executor is a tool error, not a hang."""
+
+    def __init__(self, client, timeout_s: float | None = None):
+        self.client = client
+        self.timeout_s = timeout_s
+        self.calls = 0
+        self.errors = 0
+
+    async def run(self, code: str, session_id: str | None) -> ToolCall:
+        from toolrl.executor.client import ExecutorUnavailable
+
+        self.calls += 1
+        try:
+            res = await self.client.execute(code, timeout_s=self.timeout_s, session_id=session_id)
+        except ExecutorUnavailable as exc:
+            self.errors += 1
+            return ToolCall(code=code, status="unavailable",
+                            output=f"Error: the Python executor is unavailable ({exc})\n")
+        except Exception as exc:  # a refused request is this sample's tool error, never the worker's crash
+            self.errors += 1
+            return ToolCall(code=code, status="unavailable",
+                            output=f"Error: the executor refused the request ({exc})\n")
+        output = res.stdout
+        if res.status != "ok":
+            self.errors += 1
+            output += res.stderr if res.stderr else f"Error: execution ended with status {res.status}\n"
+        if res.session_reset:
+            output = f"[note: the interpreter was restarted; earlier variables are gone: {res.session_note}]\n" + output
+        return ToolCall(code=code, status=res.status, output=output)
+
+    async def end_session(self, session_id: str) -> None:
+        try:
+            await self.client.delete_session(session_id)
+        except Exception:  # sessions also expire on their own; never fail a rollout over cleanup
+            pass
