@@ -34,7 +34,7 @@ async def answer_all(cfg, questions: list[str], console) -> None:
 
 
 async def answer(worker, cfg, question: str, console, request_id: str) -> None:
-    from toolrl.worker.rewards import extract_answer
+    from toolrl.format import extract_answer
     from toolrl.worker.rollout import run_rollout
 
     ids = worker.prompt_ids(question)

@@ -10,7 +10,8 @@ import pytest
 
 from toolrl.tasks.code.loaders import load_apps, load_code_task, load_humaneval, load_mbpp, program_for, split
 from toolrl.tasks.data import DataError
-from toolrl.tasks.code.judge import TestSpec, extract_code, judge, new_nonce, run_tests
+from toolrl.format import extract_code
+from toolrl.tasks.code.judge import TestSpec, judge, new_nonce, run_tests
 from toolrl.executor.client import ExecutorClient
 from toolrl.executor.local import LocalExecutor
 

@@ -3,7 +3,8 @@ import pytest
 from toolrl.advantages import group_advantages, zero_variance
 from toolrl.config import RewardConfig, RewardSchedule
 from toolrl.protocol import ToolCall
-from toolrl.worker.rewards import REWARDS, Completion, extract_answer, register_reward, score, weights_at
+from toolrl.format import extract_answer
+from toolrl.worker.rewards import REWARDS, Completion, register_reward, score, weights_at
 
 
 def comp(text, final=None, calls=()):

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from toolrl.format import STOP_MARKER
+
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used. The message is one line."""
@@ -142,7 +144,7 @@ class RolloutConfig(Section):
     max_total_tokens: int = Field(1024, ge=16)  # prompt + everything appended
     max_tool_calls: int = Field(3, ge=0)
     max_tool_output_tokens: int = Field(128, ge=8)
-    stop_marker: str = "The result of executing this Python code is:"
+    stop_marker: str = STOP_MARKER
     # Also stop at </program>; the harness then inserts the marker line itself (as tool text, masked).
     stop_at_program_close: bool = True
     session_per_rollout: bool = True  # later blocks see earlier variables

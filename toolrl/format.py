@@ -1,7 +1,49 @@
-"""Small text parsers shared by data loaders, rewards and the rollout loop."""
+"""The output format, defined once: its tags, the stop marker, the tool-result layout, and the
+parsers that read them back.
+
+    <think>
+    ... reasoning ...
+    <program>
+    ```python
+    print(47 * 38)
+    ```
+    </program>
+    The result of executing this Python code is:      <- generation stops here; the harness runs
+    ```output                                            the program and appends this block
+    1786                                                 (masked from the loss)
+    ```
+    ... more reasoning, more programs ...
+    </think>
+    <answer>
+    \\boxed{1786}
+    </answer>
+
+Code tasks answer with the thinking and then one python fence. The prompts (prompts/*.txt), the
+rollout engine, the teacher traces and the rewards all read these names, so the layout the model is
+taught, the layout rollouts produce and the layout rewards parse agree.
+"""
 from __future__ import annotations
 
 import re
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+PROGRAM_OPEN, PROGRAM_CLOSE = "<program>", "</program>"
+STOP_MARKER = "The result of executing this Python code is:"
+OUTPUT_FENCE = "```output"
+PYTHON_LANGS = ("python", "py", "python3")
+
+
+def format_tool_result(output: str) -> str:
+    """The text inserted after the stop marker: the executor's output in an output fence."""
+    body = output if output.endswith("\n") or not output else output + "\n"
+    return f"\n{OUTPUT_FENCE}\n{body}```\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers
+
+_ANSWER = re.compile(re.escape(ANSWER_OPEN) + r"(.*?)" + re.escape(ANSWER_CLOSE), re.S)
 
 
 def last_boxed(text: str) -> str | None:
@@ -21,15 +63,34 @@ def last_boxed(text: str) -> str | None:
     return best.strip() if best is not None else None
 
 
-def gsm8k_answer(solution: str) -> str | None:
-    """GSM8K keeps the final answer after '####'; commas are thousands separators."""
-    if "####" not in solution:
+def extract_answer(final_text: str) -> str | None:
+    """The last \\boxed{} inside the last <answer> block of `final_text` (what the model wrote after
+    its last tool output)."""
+    blocks = _ANSWER.findall(final_text)
+    if not blocks:
         return None
-    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+    return last_boxed(blocks[-1])
 
+
+def _layout(*parts: str) -> re.Pattern:
+    """A whole-completion layout: the tags in order, anything between them, whitespace-tolerant."""
+    return re.compile(r"^\s*" + r"\s*".join(parts) + r"\s*$", re.S)
+
+
+# <think>...</think> <answer>...</answer>, and the code tasks' <think>...</think> ```python...```
+THINK_ANSWER = _layout(re.escape(THINK_OPEN) + ".*?" + re.escape(THINK_CLOSE),
+                       re.escape(ANSWER_OPEN) + ".*?" + re.escape(ANSWER_CLOSE))
+THINK_CODE = _layout(re.escape(THINK_OPEN) + ".*?" + re.escape(THINK_CLOSE), r"```python\n.*?```")
+# the same think/answer layout with exactly one newline around each tag's content
+THINK_ANSWER_STRICT = re.compile(rf"^{THINK_OPEN}\n.*?\n{THINK_CLOSE}\n{ANSWER_OPEN}\n.*?\n{ANSWER_CLOSE}\n?$", re.S)
+
+
+# ---------------------------------------------------------------------------------------------
+# Programs
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
-_PROGRAM = re.compile(r"<program>(.*?)(?:</program>|\Z)", re.S)
+_PROGRAM = re.compile(re.escape(PROGRAM_OPEN) + r"(.*?)(?:" + re.escape(PROGRAM_CLOSE) + r"|\Z)", re.S)
+_CODE_START = re.compile(r"^(?:def |class |import |from |async def |@)", re.M)
 
 
 def code_blocks(text: str) -> list[tuple[str, str]]:
@@ -47,7 +108,7 @@ def extract_program(segment: str, stop_marker: str | None = None) -> str | None:
         segment = segment[: segment.rindex(stop_marker)]
     blocks = code_blocks(segment)
     for lang, code in reversed(blocks):
-        if lang in ("python", "py", "python3"):
+        if lang in PYTHON_LANGS:
             return code.strip("\n") or None
     for lang, code in reversed(blocks):
         if lang not in ("output", "text"):
@@ -55,4 +116,21 @@ def extract_program(segment: str, stop_marker: str | None = None) -> str | None:
     progs = _PROGRAM.findall(segment)
     if progs and progs[-1].strip():
         return progs[-1].strip("\n")
+    return None
+
+
+def extract_code(text: str) -> str | None:
+    """A code task's program in a completion: the last python fence after the thinking, else the
+    last fence of any language, else bare code. None when there is nothing that looks like code."""
+    answer = text.rsplit(THINK_CLOSE, 1)[1] if THINK_CLOSE in text else text
+    for part in (answer, text):
+        fences = code_blocks(part)
+        python = [body for lang, body in fences if lang in PYTHON_LANGS]
+        if python:
+            return python[-1].strip("\n")
+        if fences:
+            return fences[-1][1].strip("\n")
+    m = _CODE_START.search(answer)
+    if m:
+        return answer[m.start():].strip("\n")
     return None

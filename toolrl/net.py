@@ -1,4 +1,5 @@
-"""What every HTTP service shares: bearer-token auth, capped bodies, JSON errors, uvicorn start-up.
+"""What every HTTP service and client shares: bearer-token auth, capped bodies, JSON errors,
+uvicorn start-up, the one retry policy, free ports and services run as child processes.
 
 Services bind 127.0.0.1 unless told otherwise and take an optional bearer token; clients send it
 with `auth_headers`.
@@ -7,9 +8,18 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
+import random
+import signal
+import socket
+import subprocess
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
+import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -66,8 +76,106 @@ def setup_logging(name: str, level: str = "INFO") -> logging.Logger:
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
-    import uvicorn
+    import uvicorn  # here, not at the top: clients import this module and never serve
 
     if host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("toolrl").warning("binding %s: reachable from other machines; set a token", host)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+
+
+# ---------------------------------------------------------------------------------------------
+# One retry policy for every client
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How every client of the system retries what is worth retrying: exponential backoff from
+    `base_s`, capped at `cap_s`, with jitter so that many clients do not retry in lock-step, and
+    never sooner than the server's Retry-After (itself capped at `max_retry_after_s`)."""
+    retries: int = 5
+    base_s: float = 0.1
+    cap_s: float = 10.0
+    max_retry_after_s: float = 60.0
+
+    def delay(self, attempt: int, retry_after_s: float = 0.0) -> float:
+        backoff = min(self.cap_s, self.base_s * 2 ** attempt) * random.uniform(0.5, 1.0)
+        return max(min(self.max_retry_after_s, retry_after_s), backoff)
+
+
+def retry_after_s(resp: httpx.Response | None) -> float:
+    """The server's Retry-After in seconds (0 when absent or not a number)."""
+    if resp is None:
+        return 0.0
+    try:
+        return max(0.0, float(resp.headers.get("retry-after", "")))
+    except ValueError:
+        return 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Local services: ports, and a service run as a child process
+
+def free_port() -> int:
+    """A port the OS says is free now (another process may still take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalService:
+    """A service of this package run as a child process in its own session, ready once its
+    /health answers 200, stopped with SIGTERM (then SIGKILL) and never left behind:
+
+        with LocalService("toolrl.executor", ["--port", str(port)], f"http://127.0.0.1:{port}") as svc:
+            ...
+    """
+
+    def __init__(self, module: str, args: list[str], url: str, *, token: str | None = None,
+                 log_path: str | Path | None = None, startup_timeout_s: float = 120.0, cwd: str | Path | None = None):
+        self.module, self.args, self.url = module, list(args), url.rstrip("/")
+        self.token = token
+        self.log_path = Path(log_path) if log_path else None
+        self.startup_timeout_s = startup_timeout_s
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "LocalService":
+        out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], cwd=self.cwd, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        try:  # whatever interrupts the wait (timeout, Ctrl-C), the service we started goes too
+            deadline = time.monotonic() + self.startup_timeout_s
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"python -m {self.module} exited with {self.proc.returncode}: "
+                                       f"{self.log_tail()}")
+                try:
+                    if httpx.get(f"{self.url}/health", headers=auth_headers(self.token), timeout=5).status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+            raise TimeoutError(f"{self.module} not healthy after {self.startup_timeout_s} s: {self.log_tail()}")
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_tail(self, n: int = 30) -> str:
+        if self.log_path and self.log_path.exists():
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def __enter__(self) -> "LocalService":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

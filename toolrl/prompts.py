@@ -10,8 +10,7 @@ system prompt):
     ### example assistant
     <ideal answer>
 
-The rollout engine, the teacher traces and the rewards all use the constants below, so the
-layout the model is taught, the layout rollouts produce and the layout rewards parse agree.
+The tags and the stop marker the examples use are defined in toolrl.format.
 """
 from __future__ import annotations
 
@@ -20,17 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
-
-STOP_MARKER = "The result of executing this Python code is:"
-PROGRAM_OPEN, PROGRAM_CLOSE = "<program>", "</program>"
-OUTPUT_FENCE = "```output"
 _SECTION = re.compile(r"^### example (user|assistant)\s*$", re.M)
-
-
-def format_tool_result(output: str) -> str:
-    """The text inserted after the stop marker: the executor's output in an output fence."""
-    body = output if output.endswith("\n") or not output else output + "\n"
-    return f"\n{OUTPUT_FENCE}\n{body}```\n"
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from toolrl.format import gsm8k_answer, last_boxed
+from toolrl.format import last_boxed
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,13 @@ def _field(row: dict, name: str, where: str) -> Any:
     if name not in row:
         raise DataError(f"{where}: missing field {name!r} (has {', '.join(sorted(row))})")
     return row[name]
+
+
+def gsm8k_answer(solution: str) -> str | None:
+    """GSM8K keeps the final answer after '####'; commas are thousands separators."""
+    if "####" not in solution:
+        return None
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
 
 
 def load_gsm8k(path: str, split: str = "train") -> list[Problem]:

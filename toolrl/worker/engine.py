@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from toolrl.config import Config
 from toolrl.models import resolve_dtype
-from toolrl.prompts import PROGRAM_CLOSE
+from toolrl.format import PROGRAM_CLOSE
 
 
 def is_cpu() -> bool:
@@ -66,7 +66,8 @@ class VllmEngine:
             enforce_eager=cpu if r.enforce_eager is None else r.enforce_eager,
             max_num_seqs=r.max_num_seqs,
             block_size=r.block_size or (32 if cpu else None),
-            worker_extension_cls="toolrl.weightsync.vllm_ext.WeightLoaderExtension",  # loads weight updates as they arrive
+            # loads weight updates as they arrive
+            worker_extension_cls="toolrl.weightsync.vllm_ext.WeightLoaderExtension",
         )
         t0 = time.time()
         self.llm = AsyncLLM.from_engine_args(args)

@@ -9,10 +9,7 @@ import asyncio
 import contextlib
 import json
 import math
-import socket
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -90,42 +87,19 @@ def executor_available(cfg: Config, log=print):
             return
     except httpx.HTTPError:
         pass
-    import subprocess
+    from toolrl.executor.local import LocalExecutor
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    root = Path(__file__).resolve().parent.parent
-    log(f"[eval] no executor at {cfg.executor.url}; starting a private one on port {port}")
-    proc = subprocess.Popen([sys.executable, str(root / "executor_service.py"), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError("could not start a private executor_service")
-            time.sleep(0.3)
-        yield cfg.model_copy(update={"executor": cfg.executor.model_copy(update={"url": url})})
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with LocalExecutor(startup_timeout_s=60) as ex:
+        log(f"[eval] no executor at {cfg.executor.url}; started a private one at {ex.url}")
+        yield cfg.model_copy(update={"executor": cfg.executor.model_copy(update={"url": ex.url})})
 
 
 def score_program(cfg: Config, task_id: str, text: str, mode: str = "fraction", log=print) -> dict:
     """`evaluate.py score`: run one program (a file's text, or a completion with a code fence)
     against one task's tests in the executor service."""
     from toolrl.tasks.code.loaders import find_task
-    from toolrl.tasks.code.judge import TestSpec, complete_program, extract_code, run_tests
+    from toolrl.format import extract_code
+    from toolrl.tasks.code.judge import TestSpec, complete_program, run_tests
     from toolrl.executor.client import ExecutorClient
 
     problem = find_task(task_id)

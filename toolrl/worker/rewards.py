@@ -21,7 +21,8 @@ from typing import Callable
 
 from toolrl.tasks.code.judge import TestResult, is_spec
 from toolrl.config import RewardConfig
-from toolrl.format import last_boxed
+from toolrl.format import (ANSWER_CLOSE, ANSWER_OPEN, THINK_ANSWER, THINK_ANSWER_STRICT, THINK_CLOSE, THINK_CODE,
+                           THINK_OPEN, extract_answer)
 from toolrl.protocol import ToolCall
 
 
@@ -46,17 +47,6 @@ def register_reward(name: str):
 
 # ---------------------------------------------------------------------------------------------
 # Answer extraction and verification
-
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-
-
-def extract_answer(final_text: str) -> str | None:
-    """The last \\boxed{} inside the last <answer> block the model wrote."""
-    blocks = _ANSWER.findall(final_text)
-    if not blocks:
-        return None
-    return last_boxed(blocks[-1])
-
 
 def _verify(pred: str, gold: str, timeout_s: int) -> bool:
     from math_verify import parse, verify
@@ -159,22 +149,16 @@ def tests_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
     return _tests(c).reward(cfg.code_mode) if is_spec(answer) else 0.0
 
 
-_CODE_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*```python\n.*?```\s*$", re.S)
-
-
 @register_reward("code_format")
 def code_format_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
     """Thinking, then exactly one python block and nothing after it (what prompts/code.txt asks)."""
-    return 1.0 if _CODE_FORMAT.match(c.text) and c.text.count("```python") == 1 else 0.0
-
-
-_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.S)
+    return 1.0 if THINK_CODE.match(c.text) and c.text.count("```python") == 1 else 0.0
 
 
 @register_reward("format")
 def format_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
     """The think/answer structure around the whole completion, whitespace-tolerant."""
-    return 1.0 if _FORMAT.match(c.text) and extract_answer(c.final_text) is not None else 0.0
+    return 1.0 if THINK_ANSWER.match(c.text) and extract_answer(c.final_text) is not None else 0.0
 
 
 @register_reward("tool")
@@ -195,15 +179,12 @@ def digit_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
 @register_reward("mark")
 def mark_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
     """A quarter point for each of the four tags appearing exactly once (xmlcount-style)."""
-    return sum(0.25 for tag in ("<think>", "</think>", "<answer>", "</answer>") if c.text.count(tag) == 1)
-
-
-_STRICT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>\n?$", re.S)
+    return sum(0.25 for tag in (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE) if c.text.count(tag) == 1)
 
 
 @register_reward("strict_format")
 def strict_format_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
-    return 1.0 if _STRICT.match(c.text) else 0.0
+    return 1.0 if THINK_ANSWER_STRICT.match(c.text) else 0.0
 
 
 # ---------------------------------------------------------------------------------------------

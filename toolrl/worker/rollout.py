@@ -14,8 +14,7 @@ from typing import Protocol
 
 from toolrl.config import RolloutConfig
 from toolrl.worker.engine import GenOut
-from toolrl.format import extract_program
-from toolrl.prompts import format_tool_result
+from toolrl.format import extract_program, format_tool_result
 from toolrl.protocol import ToolCall
 
 TRUNCATION_MARK = "\n...[output truncated]\n"

@@ -16,7 +16,7 @@ import random
 from pathlib import Path
 
 from toolrl.tasks.data import Problem
-from toolrl.prompts import STOP_MARKER
+from toolrl.format import STOP_MARKER
 from toolrl.protocol import Sample
 from toolrl.worker.rollout import Tool, tool_output_text, tool_segment_ids
 

@@ -27,6 +27,8 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from toolrl.format import extract_code
+
 # ---------------------------------------------------------------------------------------------
 # The tests of one task
 
@@ -69,33 +71,12 @@ class TestSpec:
 # ---------------------------------------------------------------------------------------------
 # Extraction
 
-_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)(?:```|\Z)", re.S)
-_CODE_START = re.compile(r"^(?:def |class |import |from |async def |@)", re.M)
-
-
 def syntax_ok(code: str) -> bool:
     try:
         ast.parse(code)
         return True
     except (SyntaxError, ValueError):
         return False
-
-
-def extract_code(text: str) -> str | None:
-    """The program in a completion: the last python fence after the thinking, else the last fence
-    of any language, else bare code. None when there is nothing that looks like code."""
-    answer = text.rsplit("</think>", 1)[1] if "</think>" in text else text
-    for part in (answer, text):
-        fences = _FENCE.findall(part)
-        python = [body for lang, body in fences if lang.lower() in ("python", "py", "python3")]
-        if python:
-            return python[-1].strip("\n")
-        if fences:
-            return fences[-1][1].strip("\n")
-    m = _CODE_START.search(answer)
-    if m:
-        return answer[m.start():].strip("\n")
-    return None
 
 
 # ---------------------------------------------------------------------------------------------

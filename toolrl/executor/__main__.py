@@ -1,0 +1,3 @@
+from toolrl.executor.main import main
+
+main()
