@@ -1,6 +1,13 @@
-"""The GRPO objective, in one place.
+"""GRPO, in one place: group advantages, the roles a sample plays in the loss, and the objective.
 
-Inputs are per-token tensors of shape [B, T] over completion positions (right-padded), with
+Advantages are group-relative: each prompt's n samples are scored against each other,
+(r - mean) / (std + eps), or r - mean with `scale_rewards: false` (Dr. GRPO).
+
+A sample plays up to three roles: GRPO (a policy sample), teacher SFT (a teacher trace) and self
+SFT (the best policy sample of its group that solved the problem). The learner's loss is
+    w_grpo * GRPO + w_teacher * SFT(teacher traces) + w_self * SFT(self-chosen samples).
+
+Inputs of the losses are per-token tensors of shape [B, T] over completion positions (right-padded), with
 `mask` 1 only where the policy generated the token: tool output and padding never count.
 
     ratio      = exp(logp - behaviour_logp)                   (behaviour: the sampler's logprobs)
@@ -22,11 +29,67 @@ so the micro-batch losses add up exactly to the full-batch loss.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
 from toolrl.config import GRPOConfig
+from toolrl.protocol import Sample
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+
+def group_advantages(rewards: list[float], scale: bool = True, eps: float = 1e-4) -> list[float]:
+    """(r - mean) / (std + eps) as in GRPO, or r - mean when `scale` is False (Dr. GRPO).
+
+    The std is the population std of the group. A group whose rewards are all equal gets zero
+    advantages: it carries no learning signal (callers decide whether to drop it).
+    """
+    if zero_variance(rewards):  # exactly zero, not float dust: the learner skips zero-advantage samples
+        return [0.0] * len(rewards)
+    mean = sum(rewards) / len(rewards)
+    centred = [r - mean for r in rewards]
+    if not scale:
+        return centred
+    std = math.sqrt(sum(c * c for c in centred) / len(rewards))
+    return [c / (std + eps) for c in centred]
+
+
+def zero_variance(rewards: list[float], tol: float = 1e-9) -> bool:
+    return max(rewards) - min(rewards) <= tol if rewards else True
+
+
+# ---------------------------------------------------------------------------------------------
+# Roles
+
+class Role(IntEnum):
+    GRPO = 0  # a policy sample, trained by the clipped surrogate
+    TEACHER = 1  # a teacher trace, trained by SFT (w_teacher)
+    SELF = 2  # the best solved policy sample of its group, trained by SFT as well (w_self)
+
+
+def self_sft_choice(samples: list[Sample]) -> set[int]:
+    """Per group, the best sample that solved the problem (reward component 'correct' == 1)."""
+    best: dict[str, tuple[float, int]] = {}
+    for i, s in enumerate(samples):
+        if s.source != "policy" or s.rewards.get("correct", 0.0) < 1.0:
+            continue
+        if s.group_id not in best or s.reward > best[s.group_id][0]:
+            best[s.group_id] = (s.reward, i)
+    return {i for _, i in best.values()}
+
+
+def sample_roles(samples: list[Sample], with_self: bool) -> list[tuple[bool, bool, bool]]:
+    """Each sample's roles, indexed by Role."""
+    chosen = self_sft_choice(samples) if with_self else set()
+    return [(s.source == "policy", s.source == "teacher", i in chosen) for i, s in enumerate(samples)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective
 
 
 @dataclass

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from toolrl.config import Config
-from toolrl.grpo import BatchCounts, grpo_loss, sft_loss
+from toolrl.grpo import BatchCounts, Role, grpo_loss, sample_roles, sft_loss
 from toolrl.logprobs import completion_logprobs, pack_samples, shared_prompt_logprobs
 from toolrl.models import resolve_dtype
 from toolrl.protocol import Sample
@@ -78,17 +78,6 @@ def micro_batches(samples: list[Sample], token_budget: int, share_prompts: bool 
 def out_of_time(budget_s: float | None, elapsed_s: float, last_step_s: float) -> bool:
     """learner.time_budget_s: whether another step, as long as the last one, would end past it."""
     return budget_s is not None and elapsed_s + last_step_s > budget_s
-
-
-def self_sft_choice(samples: list[Sample]) -> set[int]:
-    """Per group, the best sample that solved the problem (reward component 'correct' == 1)."""
-    best: dict[str, tuple[float, int]] = {}
-    for i, s in enumerate(samples):
-        if s.source != "policy" or s.rewards.get("correct", 0.0) < 1.0:
-            continue
-        if s.group_id not in best or s.reward > best[s.group_id][0]:
-            best[s.group_id] = (s.reward, i)
-    return {i for _, i in best.values()}
 
 
 def _lr_lambda(cfg: Config):
@@ -234,11 +223,10 @@ class Trainer:
         self.weights = {"grpo": g.w_grpo, "teacher": g.w_teacher if w_teacher is None else w_teacher, "self": g.w_self}
         t0 = time.time()
         self.engine.train()
-        chosen = self_sft_choice(samples) if self.weights["self"] > 0 else set()
-        # Each sample's roles (GRPO, teacher SFT, self SFT), kept by identity across the length sort.
-        roles = {id(s): (s.source == "policy", s.source == "teacher", i in chosen) for i, s in enumerate(samples)}
+        # Each sample's roles, kept by identity across the length sort.
+        roles = {id(s): r for s, r in zip(samples, sample_roles(samples, self.weights["self"] > 0))}
         counts = [BatchCounts(sum(1 for s in samples if roles[id(s)][r]),
-                              sum(sum(s.loss_mask) for s in samples if roles[id(s)][r])) for r in range(3)]
+                              sum(sum(s.loss_mask) for s in samples if roles[id(s)][r])) for r in Role]
         # The normalisers above count every sample; the forward/backward runs only on samples whose
         # loss is not identically zero, which leaves the gradient exactly as it was.
         trained = [s for s in samples if self._contributes(s, roles[id(s)])] or samples[:1]
@@ -287,9 +275,9 @@ class Trainer:
         sample under GRPO with a nonzero advantage (with no KL and no entropy term, a zero advantage
         makes its surrogate, and so its gradient, zero)."""
         g, w = self.cfg.grpo, self.weights
-        if (role[1] and w["teacher"] > 0) or (role[2] and w["self"] > 0):
+        if (role[Role.TEACHER] and w["teacher"] > 0) or (role[Role.SELF] and w["self"] > 0):
             return True
-        return role[0] and w["grpo"] > 0 and (s.advantage != 0 or g.beta > 0 or g.entropy_coef > 0)
+        return role[Role.GRPO] and w["grpo"] > 0 and (s.advantage != 0 or g.beta > 0 or g.entropy_coef > 0)
 
     def _micro_loss(self, mb: list[Sample], counts: list[BatchCounts], roles: dict) -> tuple[torch.Tensor, dict]:
         g, lc = self.cfg.grpo, self.cfg.learner
@@ -316,16 +304,16 @@ class Trainer:
         total = torch.zeros((), device=device)
         metrics: dict = {}
         w = self.weights
-        if role[:, 0].any() and w["grpo"] > 0:
+        if role[:, Role.GRPO].any() and w["grpo"] > 0:
             ref = per_token("ref_logprobs") if g.beta > 0 and all(s.ref_logprobs is not None for s in mb) else None
             adv = torch.tensor([s.advantage for s in mb], dtype=torch.float32, device=device)
-            loss, metrics = grpo_loss(logp, per_token("logprobs"), adv, loss_mask * role[:, :1], g, counts[0],
-                                      ref_logp=ref, entropy=entropy)
+            loss, metrics = grpo_loss(logp, per_token("logprobs"), adv, loss_mask * role[:, Role.GRPO, None], g,
+                                      counts[Role.GRPO], ref_logp=ref, entropy=entropy)
             total = total + w["grpo"] * loss
             metrics["loss_grpo"] = loss.detach()
-        for r, name in ((1, "teacher"), (2, "self")):
+        for r, name in ((Role.TEACHER, "teacher"), (Role.SELF, "self")):
             if w[name] > 0 and role[:, r].any():
-                loss = sft_loss(logp, loss_mask * role[:, r:r + 1], counts[r])
+                loss = sft_loss(logp, loss_mask * role[:, r, None], counts[r])
                 total = total + w[name] * loss
                 metrics[f"loss_sft_{name}"] = loss.detach()
         metrics["tokens_padded"] = torch.tensor(float(packed.padded_tokens))

@@ -27,7 +27,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolrl.advantages import group_advantages, zero_variance
+from toolrl.grpo import group_advantages, zero_variance
 from toolrl.tasks.code.judge import TestSpec, arun_tests, is_spec, program_in
 from toolrl.config import Config
 from toolrl.tasks.data import Problem, arithmetic_problem, arithmetic_stream, load_problems

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from toolrl.config import GRPOConfig
-from toolrl.grpo import BatchCounts, grpo_loss, sft_loss
+from toolrl.grpo import BatchCounts, Role, group_advantages, grpo_loss, sample_roles, sft_loss, zero_variance
+from toolrl.protocol import Sample
 
 # Two sequences, four completion positions. Sequence 0: tokens 0-2 generated, 3 is tool output.
 # Sequence 1: tokens 0 and 2 generated, 1 is tool output, 3 is padding.
@@ -150,3 +151,32 @@ def test_sft_loss_masks_prompt_and_tool_output():
     assert loss.item() == pytest.approx(-(-1.0 - 0.5 - 2.0 - 0.2 - 1.5) / 5)
     loss.backward()
     assert logp.grad[0, 3] == 0 and logp.grad[1, 1] == 0
+
+
+def test_group_advantages():
+    a = group_advantages([1.0, 0.0, 0.0, 1.0])
+    assert a == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-3)
+    assert group_advantages([1.0, 0.0, 0.0, 1.0], scale=False) == [0.5, -0.5, -0.5, 0.5]
+    assert group_advantages([0.3, 0.3, 0.3]) == [0.0, 0.0, 0.0]
+    # exactly zero where the float mean is off by dust (0.1 * 3 / 3 != 0.1): the learner skips
+    # zero-advantage samples, and 1e-13 is not zero
+    for scale in (True, False):
+        assert group_advantages([0.1, 0.1, 0.1], scale=scale) == [0.0, 0.0, 0.0]
+        assert group_advantages([1.15] * 5, scale=scale) == [0.0] * 5
+    assert zero_variance([0.3, 0.3]) and not zero_variance([0.3, 0.31])
+    assert sum(group_advantages([0.1, 0.7, 0.2])) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_roles_and_the_self_sft_choice():
+    def s(gid, source="policy", correct=0.0, reward=0.0):
+        return Sample(prompt_ids=[1], completion_ids=[2], loss_mask=[1], logprobs=[-0.1], group_id=gid,
+                      source=source, rewards={"correct": correct}, reward=reward)
+
+    batch = [s("a", correct=1.0, reward=1.0), s("a", correct=1.0, reward=1.2), s("a"), s("a", "teacher", 1.0, 1.0),
+             s("b")]
+    roles = sample_roles(batch, with_self=True)
+    assert [r[Role.GRPO] for r in roles] == [True, True, True, False, True]
+    assert [r[Role.TEACHER] for r in roles] == [False, False, False, True, False]
+    # the best solved policy sample of each group; a teacher trace is never chosen, an unsolved group gives none
+    assert [r[Role.SELF] for r in roles] == [False, True, False, False, False]
+    assert not any(r[Role.SELF] for r in sample_roles(batch, with_self=False))
