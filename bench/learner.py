@@ -109,8 +109,8 @@ def bench_step(args) -> dict:
 
 def write_buckets(named, d: Path, bucket_mb: int = 64) -> int:
     """The update as a worker holds it once received: one safetensors file per bucket."""
-    from toolrl.protocol import bucketize, encode_weight_bucket
-    from toolrl.weightsync.http import bucket_file, ready_file
+    from toolrl.weightsync.buckets import bucketize, encode_weight_bucket
+    from toolrl.weightsync.receiver import bucket_file, ready_file
 
     buckets = bucketize(named, bucket_mb << 20)
     for i, b in enumerate(buckets):

@@ -15,7 +15,8 @@ from toolrl.config import load_config
 from toolrl.logprobs import sample_logprobs
 from toolrl.models import load_hf_model, load_tokenizer
 from toolrl.prompts import format_tool_result
-from toolrl.protocol import CONTENT_TYPE, encode_weight_bucket
+from toolrl.protocol import CONTENT_TYPE
+from toolrl.weightsync.buckets import encode_weight_bucket
 
 pytestmark = pytest.mark.slow
 TEMP = 0.7
@@ -208,7 +209,7 @@ def _health_when(url, cond, timeout_s=120):
 def test_an_update_cut_off_part_way_holds_rollouts_until_a_whole_one_loads(stack, hf):
     """The engine loads bucket 0 while bucket 1 is on the wire; if bucket 1 is bad, the weights are
     a mix: the worker must say so, generate nothing, and recover with the next whole update."""
-    from toolrl.protocol import bucketize
+    from toolrl.weightsync.buckets import bucketize
     from toolrl.weightsync.http import push_weights
 
     url = stack["worker"]
@@ -247,7 +248,7 @@ def test_weights_by_broadcast_on_a_process_group(stack, hf):
     engine, no files; the worker's logprobs then equal the learner's weights'. A refused update
     fails fast instead of waiting out the broadcast timeout."""
     from toolrl.weightsync.process_group import LearnerGroup
-    from toolrl.weightsync.http import WeightSyncError
+    from toolrl.weightsync.transport import WeightSyncError
 
     url = stack["worker"]
     torch.manual_seed(1)

@@ -8,9 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from toolrl.protocol import (
-    CorruptPayload, PayloadTooLarge, Sample, SchemaMismatch, ToolCall, WireFormatError, bucketize,
-    decode_samples, decode_weight_bucket, encode_samples, encode_weight_bucket, pack,
+    CorruptPayload, PayloadTooLarge, Sample, SchemaMismatch, ToolCall, WireFormatError, decode_samples,
+    encode_samples, pack,
 )
+from toolrl.weightsync.buckets import bucketize, decode_weight_bucket, encode_weight_bucket
 
 finite = st.floats(min_value=-50, max_value=0, allow_nan=False, width=32)
 

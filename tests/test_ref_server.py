@@ -13,7 +13,8 @@ import uvicorn
 
 from toolrl.config import load_config
 from toolrl.models import load_hf_model
-from toolrl.protocol import CONTENT_TYPE, WIRE_VERSION, Sample, encode_samples, encode_weight_bucket
+from toolrl.protocol import CONTENT_TYPE, WIRE_VERSION, Sample, encode_samples
+from toolrl.weightsync.buckets import encode_weight_bucket
 from toolrl.refserver import reference as reference_mod
 from toolrl.refserver.app import create_app
 from toolrl.refserver.client import AsyncRefServerClient, RefServerClient, RefServerError

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from toolrl.learner.trainer import clear_stale_shm_buffers
-from toolrl.weightsync.http import WeightAssembler, remove_stale_weight_dirs
+from toolrl.weightsync.receiver import WeightAssembler, remove_stale_weight_dirs
 
 
 def dead_pid() -> int:

@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from toolrl.protocol import (CorruptPayload, PayloadTooLarge, bucketize, encode_weight_bucket, frame_weight_bucket,
-                             pack)
+from toolrl.protocol import CorruptPayload, PayloadTooLarge, pack
+from toolrl.weightsync.buckets import bucketize, encode_weight_bucket, frame_weight_bucket
+from toolrl.weightsync.receiver import WeightAssembler, abort_file, bucket_file, ready_file
+from toolrl.weightsync.transport import BucketOrderError, UpdateAborted
 from toolrl.weightsync.vllm_ext import iter_bucket_files
-from toolrl.weightsync.http import BucketOrderError, UpdateAborted, WeightAssembler, abort_file, bucket_file, ready_file
 
 
 def _named(seed=0):

@@ -6,6 +6,7 @@ with `auth_headers`.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -109,6 +110,14 @@ def retry_after_s(resp: httpx.Response | None) -> float:
         return max(0.0, float(resp.headers.get("retry-after", "")))
     except ValueError:
         return 0.0
+
+
+async def wait_for(aw, timeout_s: float, what: str):
+    """Every wait has a timeout: asyncio.wait_for, with an error that says what was waited for."""
+    try:
+        return await asyncio.wait_for(aw, timeout_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f}s") from None
 
 
 # ---------------------------------------------------------------------------------------------

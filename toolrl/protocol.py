@@ -1,5 +1,8 @@
 """The sample record and the wire format, defined once for every service.
 
+The weight-update buckets are framed the same way; their schema lives with weight sync
+(toolrl.weightsync.buckets).
+
 A payload is one safetensors blob. Tensors travel as tensors; everything else travels as JSON
 in the safetensors metadata, beside the schema name, the schema version and a checksum (xxh3-64) over the
 JSON and every tensor's bytes. Decoding never unpickles anything, checks the size before it
@@ -11,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,12 +22,10 @@ from safetensors.torch import load as st_load
 
 WIRE_VERSION = 2  # 2: an xxh3-64 checksum over the data region as laid out, checkable while streaming
 SCHEMA_SAMPLES = "toolrl.samples"
-SCHEMA_WEIGHTS = "toolrl.weights"
 CONTENT_TYPE = "application/vnd.toolrl.safetensors"
 
 MAX_SAMPLES_BYTES = 64 << 20
-MAX_WEIGHTS_BYTES = 4 << 30
-_MAX_HEADER_BYTES = 16 << 20
+MAX_HEADER_BYTES = 16 << 20
 
 
 class WireFormatError(ValueError):
@@ -131,7 +132,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def _hasher(meta_json: str):
+def hasher(meta_json: str):
     import xxhash
 
     h = xxhash.xxh3_64()
@@ -160,7 +161,7 @@ def frame(schema: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -
         offset += view.nbytes
         if view.nbytes:
             views.append(view)
-    h = _hasher(meta_json)
+    h = hasher(meta_json)
     for v in views:
         h.update(v)
     header = {"__metadata__": {"schema": schema, "version": str(WIRE_VERSION), "meta": meta_json,
@@ -175,11 +176,11 @@ def pack(schema: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) ->
     return b"".join([header, *views])
 
 
-def _read_header(head: bytes | memoryview, size: int | None, schema: str) -> tuple[int, dict, dict]:
+def read_header(head: bytes | memoryview, size: int | None, schema: str) -> tuple[int, dict, dict]:
     """Parse a payload's header from its first bytes -> (header length, header, metadata).
     `size` is the whole payload's size where known (to catch truncation early)."""
     (header_len,) = struct.unpack("<Q", bytes(head[:8]))
-    limit = _MAX_HEADER_BYTES if size is None else min(size - 8, _MAX_HEADER_BYTES)
+    limit = MAX_HEADER_BYTES if size is None else min(size - 8, MAX_HEADER_BYTES)
     if header_len > limit:
         raise CorruptPayload(f"header claims {header_len} bytes but the payload has {size - 8 if size else '?'} "
                              f"(truncated?)")
@@ -202,7 +203,7 @@ def _read_header(head: bytes | memoryview, size: int | None, schema: str) -> tup
     return header_len, header, meta_header
 
 
-def _parse_meta(meta_json: str) -> dict[str, Any]:
+def parse_meta(meta_json: str) -> dict[str, Any]:
     try:
         meta = json.loads(meta_json)
     except json.JSONDecodeError as exc:
@@ -221,17 +222,17 @@ def unpack(data: bytes, schema: str, max_bytes: int) -> tuple[dict[str, Any], di
         raise PayloadTooLarge(f"payload of {size} bytes is over the limit of {max_bytes}")
     if size < 8:
         raise CorruptPayload(f"payload of {size} bytes is too short to be safetensors")
-    header_len, _, meta_header = _read_header(data, size, schema)
+    header_len, _, meta_header = read_header(data, size, schema)
     try:
         tensors = st_load(bytes(data))
     except Exception as exc:  # safetensors raises its own error types for every parse failure
         raise CorruptPayload(f"malformed safetensors body: {exc}") from None
     meta_json = meta_header["meta"]
-    h = _hasher(meta_json)
+    h = hasher(meta_json)
     h.update(memoryview(data)[8 + header_len:])
     if meta_header.get("xxh3_64") != h.hexdigest():
         raise CorruptPayload("checksum mismatch: the payload was altered or truncated in transit")
-    return _parse_meta(meta_json), tensors
+    return parse_meta(meta_json), tensors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,153 +318,3 @@ def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES) -> tuple[lis
             first = exc.errors()[0]
             raise CorruptPayload(f"sample {i}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
     return samples, meta
-
-
-# ---------------------------------------------------------------------------------------------
-# Weight updates: ordered buckets of named tensors with the policy version
-
-class WeightBucket(BaseModel):
-    """One bucket's metadata (and, when decoded from bytes, its tensors)."""
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-    version: int = Field(ge=0)
-    index: int = Field(ge=0)
-    count: int = Field(ge=1)
-    names: list[str]
-    tensors: list[tuple[str, torch.Tensor]] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> "WeightBucket":
-        if self.index >= self.count:
-            raise ValueError(f"bucket index {self.index} out of range for {self.count} buckets")
-        if len(set(self.names)) != len(self.names):
-            raise ValueError("duplicate tensor names")
-        return self
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.count - 1
-
-
-def frame_weight_bucket(tensors: list[tuple[str, torch.Tensor]], version: int, index: int,
-                        count: int) -> tuple[bytes, list[memoryview]]:
-    """One bucket as (header, the tensors' own memory): what the learner streams."""
-    names = [n for n, _ in tensors]
-    if len(set(names)) != len(names):
-        raise ValueError("duplicate tensor names in a weight bucket")
-    if not 0 <= index < count:
-        raise ValueError(f"bucket index {index} out of range for {count} buckets")
-    meta = {"version": version, "index": index, "count": count, "names": names}
-    return frame(SCHEMA_WEIGHTS, meta, dict(tensors))
-
-
-def encode_weight_bucket(tensors: list[tuple[str, torch.Tensor]], version: int, index: int, count: int) -> bytes:
-    header, views = frame_weight_bucket(tensors, version, index, count)
-    return b"".join([header, *views])
-
-
-class WeightBucketReader:
-    """Decodes one weight bucket as its bytes arrive, passing every byte on to `sink` (a file), so a
-    worker never holds a bucket in memory. It checks the header (schema, version, names) as soon
-    as it is complete, refuses bytes past the declared end or the size limit at once, and checks
-    the length and the checksum at `finish`. The sink's result is safetensors; a reader of it (vLLM's
-    loader) still validates the tensor table itself."""
-
-    def __init__(self, sink: Callable[[bytes], Any], max_bytes: int = MAX_WEIGHTS_BYTES):
-        self.sink, self.max_bytes = sink, max_bytes
-        self.head = bytearray()
-        self.bucket: WeightBucket | None = None  # set once the header is in
-        self.size = 0  # bytes seen
-        self.total: int | None = None  # declared by the header
-        self._hash = None
-        self._held: list[bytes] = []
-
-    def feed(self, chunk: bytes, hold: bool = False) -> None:
-        """Take the next bytes. With `hold`, the bytes up to and just past the header are kept
-        until `release()`, so the caller can look at `bucket` before anything reaches the sink."""
-        self.size += len(chunk)
-        if self.size > self.max_bytes:
-            raise PayloadTooLarge(f"payload is over the limit of {self.max_bytes} bytes")
-        if self.total is not None and self.size > self.total:
-            raise CorruptPayload(f"payload runs past its declared {self.total} bytes")
-        if self.bucket is None:
-            self.head += chunk
-            if len(self.head) >= 8:
-                (hl,) = struct.unpack("<Q", bytes(self.head[:8]))
-                if hl > _MAX_HEADER_BYTES:
-                    raise CorruptPayload(f"header claims {hl} bytes, over the limit of {_MAX_HEADER_BYTES}")
-                if len(self.head) >= 8 + hl:
-                    self._start(hl)
-                    if not hold:
-                        self.release()
-            return
-        self._hash.update(chunk)
-        self.sink(chunk)
-
-    def release(self) -> None:
-        for part in self._held:
-            self.sink(part)
-        self._held = []
-
-    def _start(self, hl: int) -> None:
-        _, header, mh = _read_header(self.head, None, SCHEMA_WEIGHTS)
-        meta = _parse_meta(mh["meta"])
-        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-        try:
-            ends = [int(v["data_offsets"][1]) for v in tensors.values()]
-        except (TypeError, KeyError, IndexError, ValueError):
-            raise CorruptPayload("tensor table entries need data_offsets") from None
-        names = meta.get("names")
-        if not isinstance(names, list) or sorted(names) != sorted(tensors):
-            raise CorruptPayload("weight bucket names do not match its tensors")
-        try:
-            self.bucket = WeightBucket(version=meta.get("version"), index=meta.get("index"),
-                                       count=meta.get("count"), names=names)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise CorruptPayload(f"weight bucket {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-        self.total = 8 + hl + max(ends, default=0)
-        if self.total > self.max_bytes:
-            raise PayloadTooLarge(f"payload declares {self.total} bytes, over the limit of {self.max_bytes}")
-        if self.size > self.total:
-            raise CorruptPayload(f"payload runs past its declared {self.total} bytes")
-        self.expected_hash = mh.get("xxh3_64")
-        self._hash = _hasher(mh["meta"])
-        head, rest = bytes(self.head[:8 + hl]), bytes(self.head[8 + hl:])
-        self.head = bytearray()
-        self._hash.update(rest)
-        self._held = [head, rest] if rest else [head]
-
-    def finish(self) -> WeightBucket:
-        if self.bucket is None or self.size != self.total:
-            raise CorruptPayload(f"payload ends after {self.size} bytes, before its declared end (truncated?)")
-        if self.expected_hash != self._hash.hexdigest():
-            raise CorruptPayload("checksum mismatch: the payload was altered or truncated in transit")
-        return self.bucket
-
-
-def decode_weight_bucket(data: bytes, max_bytes: int = MAX_WEIGHTS_BYTES) -> WeightBucket:
-    """A whole bucket from bytes, tensors included (the worker streams instead: WeightBucketReader)."""
-    if len(data) < 8:
-        raise CorruptPayload(f"payload of {len(data)} bytes is too short to be safetensors")
-    reader = WeightBucketReader(lambda _: None, max_bytes)
-    reader.feed(bytes(data))
-    bucket = reader.finish()
-    try:
-        t = st_load(bytes(data))
-    except Exception as exc:  # safetensors raises its own error types for every parse failure
-        raise CorruptPayload(f"malformed safetensors body: {exc}") from None
-    return bucket.model_copy(update={"tensors": [(n, t[n]) for n in bucket.names]})
-
-
-def bucketize(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Split named tensors, in order, into buckets of about `bucket_bytes` (a large tensor gets its own)."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, t))
-        size += nbytes
-    return [b for b in buckets if b]

@@ -30,7 +30,7 @@ import httpx
 import torch
 
 from toolrl.net import auth_headers
-from toolrl.weightsync.http import WeightSyncError, confirm_loaded
+from toolrl.weightsync.transport import WeightSyncError, confirm_loaded
 
 
 def default_backend() -> str:
@@ -197,3 +197,26 @@ class LearnerGroup:
                 raise WeightSyncError(f"{self.url}: broadcast of version {version}: {exc}") from None
             res = answer.result()
         return confirm_loaded(self.url, res, version, t0)
+
+
+class ProcessGroupTransport:
+    """`learner.sync_transport: process_group`: one LearnerGroup per worker, built at its first push
+    and rebuilt after any failure (it is out of step with the worker then)."""
+    name = "process_group"
+
+    def __init__(self, host: str, token: str | None, timeout_s: float, drain_s: float):
+        self.host, self.token, self.timeout_s, self.drain_s = host, token, timeout_s, drain_s
+        self.groups: dict[tuple[str, str], LearnerGroup] = {}
+
+    def push(self, worker: dict, named: list[tuple[str, torch.Tensor]], version: int) -> dict:
+        key = (worker["id"], worker["url"])
+        try:
+            if key not in self.groups:
+                self.groups[key] = LearnerGroup(worker, self.host, token=self.token, timeout_s=self.timeout_s)
+            return self.groups[key].push(named, version, drain_s=self.drain_s)
+        except Exception as exc:
+            self.groups.pop(key, None)
+            raise exc if isinstance(exc, WeightSyncError) else WeightSyncError(f"{worker['url']}: {exc}") from None
+
+    def forget(self, live: set[tuple[str, str]]) -> None:
+        self.groups = {k: g for k, g in self.groups.items() if k in live}

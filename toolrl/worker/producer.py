@@ -31,7 +31,8 @@ from toolrl.grpo import group_advantages, zero_variance
 from toolrl.tasks.code.judge import TestSpec, arun_tests, is_spec, program_in
 from toolrl.config import Config
 from toolrl.tasks.data import Problem, arithmetic_problem, arithmetic_stream, load_problems
-from toolrl.worker.engine import VllmEngine, wait_for
+from toolrl.net import wait_for
+from toolrl.worker.engine import VllmEngine
 from toolrl.models import load_tokenizer, resolve_model
 from toolrl.prompts import load_chat_prompt
 from toolrl.protocol import Sample, sample_record
@@ -140,7 +141,7 @@ class GenWorker:
         self._counter = itertools.count()
         self._tasks: set[asyncio.Task] = set()
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-        from toolrl.weightsync.http import WeightAssembler, remove_stale_weight_dirs
+        from toolrl.weightsync.receiver import WeightAssembler, remove_stale_weight_dirs
 
         for d in remove_stale_weight_dirs(shm):
             log.info("removed %s, left by a worker that is gone", d)
@@ -336,7 +337,7 @@ class GenWorker:
     async def receive_bucket(self, chunks) -> dict:
         """One bucket of a weight update (POST /update_weights), streamed to a file as it arrives.
         The first bucket starts the load (`_load`); the answer to the last one waits for it."""
-        from toolrl.weightsync.http import UpdateAborted
+        from toolrl.weightsync.transport import UpdateAborted
 
         bucket, update = await self.assembler.receive(chunks, self.version, self._start_load)
         if not bucket.last:
@@ -370,7 +371,7 @@ class GenWorker:
 
     async def receive_broadcast(self, group_id: str, version: int, push_id: str, specs: list) -> dict:
         """A whole update by broadcast over the learner's process group (toolrl.weightsync.process_group)."""
-        from toolrl.weightsync.http import BucketOrderError
+        from toolrl.weightsync.transport import BucketOrderError
 
         if version < self.version:
             raise BucketOrderError(f"version {version} is older than the loaded {self.version}")
@@ -387,7 +388,7 @@ class GenWorker:
         `rollout.drain_timeout_s`), then `load()` the new weights in place and bump the version.
         If the load fails part-way, the weights are a mix: rollouts stay held back and /health
         says so until a whole update loads."""
-        from toolrl.weightsync.http import UpdateAborted
+        from toolrl.weightsync.transport import UpdateAborted
 
         async with self._update_lock:  # an earlier update, superseded, finishes failing first
             self._open.clear()

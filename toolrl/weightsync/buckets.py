@@ -1,0 +1,168 @@
+"""The weight-update wire format: ordered buckets of named tensors with the policy version.
+
+A bucket is a payload of the system's one wire format (toolrl.protocol: safetensors with a JSON
+meta and an xxh3-64 checksum) under the schema `toolrl.weights`, with meta {version, index, count,
+names}. The learner frames each bucket from the tensors' own memory; a worker decodes it while it
+streams (`WeightBucketReader`), never holding a bucket in memory. See docs/WIRE_FORMAT.md.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any, Callable
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from safetensors.torch import load as st_load
+
+from toolrl.protocol import (MAX_HEADER_BYTES, CorruptPayload, PayloadTooLarge, frame, hasher, parse_meta,
+                             read_header)
+
+SCHEMA_WEIGHTS = "toolrl.weights"
+MAX_WEIGHTS_BYTES = 4 << 30  # one bucket
+
+
+class WeightBucket(BaseModel):
+    """One bucket's metadata (and, when decoded from bytes, its tensors)."""
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    version: int = Field(ge=0)
+    index: int = Field(ge=0)
+    count: int = Field(ge=1)
+    names: list[str]
+    tensors: list[tuple[str, torch.Tensor]] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "WeightBucket":
+        if self.index >= self.count:
+            raise ValueError(f"bucket index {self.index} out of range for {self.count} buckets")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("duplicate tensor names")
+        return self
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def frame_weight_bucket(tensors: list[tuple[str, torch.Tensor]], version: int, index: int,
+                        count: int) -> tuple[bytes, list[memoryview]]:
+    """One bucket as (header, the tensors' own memory): what the learner streams."""
+    names = [n for n, _ in tensors]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate tensor names in a weight bucket")
+    if not 0 <= index < count:
+        raise ValueError(f"bucket index {index} out of range for {count} buckets")
+    meta = {"version": version, "index": index, "count": count, "names": names}
+    return frame(SCHEMA_WEIGHTS, meta, dict(tensors))
+
+
+def encode_weight_bucket(tensors: list[tuple[str, torch.Tensor]], version: int, index: int, count: int) -> bytes:
+    header, views = frame_weight_bucket(tensors, version, index, count)
+    return b"".join([header, *views])
+
+
+class WeightBucketReader:
+    """Decodes one weight bucket as its bytes arrive, passing every byte on to `sink` (a file), so a
+    worker never holds a bucket in memory. It checks the header (schema, version, names) as soon
+    as it is complete, refuses bytes past the declared end or the size limit at once, and checks
+    the length and the checksum at `finish`. The sink's result is safetensors; a reader of it (vLLM's
+    loader) still validates the tensor table itself."""
+
+    def __init__(self, sink: Callable[[bytes], Any], max_bytes: int = MAX_WEIGHTS_BYTES):
+        self.sink, self.max_bytes = sink, max_bytes
+        self.head = bytearray()
+        self.bucket: WeightBucket | None = None  # set once the header is in
+        self.size = 0  # bytes seen
+        self.total: int | None = None  # declared by the header
+        self._hash = None
+        self._held: list[bytes] = []
+
+    def feed(self, chunk: bytes, hold: bool = False) -> None:
+        """Take the next bytes. With `hold`, the bytes up to and just past the header are kept
+        until `release()`, so the caller can look at `bucket` before anything reaches the sink."""
+        self.size += len(chunk)
+        if self.size > self.max_bytes:
+            raise PayloadTooLarge(f"payload is over the limit of {self.max_bytes} bytes")
+        if self.total is not None and self.size > self.total:
+            raise CorruptPayload(f"payload runs past its declared {self.total} bytes")
+        if self.bucket is None:
+            self.head += chunk
+            if len(self.head) >= 8:
+                (hl,) = struct.unpack("<Q", bytes(self.head[:8]))
+                if hl > MAX_HEADER_BYTES:
+                    raise CorruptPayload(f"header claims {hl} bytes, over the limit of {MAX_HEADER_BYTES}")
+                if len(self.head) >= 8 + hl:
+                    self._start(hl)
+                    if not hold:
+                        self.release()
+            return
+        self._hash.update(chunk)
+        self.sink(chunk)
+
+    def release(self) -> None:
+        for part in self._held:
+            self.sink(part)
+        self._held = []
+
+    def _start(self, hl: int) -> None:
+        _, header, mh = read_header(self.head, None, SCHEMA_WEIGHTS)
+        meta = parse_meta(mh["meta"])
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        try:
+            ends = [int(v["data_offsets"][1]) for v in tensors.values()]
+        except (TypeError, KeyError, IndexError, ValueError):
+            raise CorruptPayload("tensor table entries need data_offsets") from None
+        names = meta.get("names")
+        if not isinstance(names, list) or sorted(names) != sorted(tensors):
+            raise CorruptPayload("weight bucket names do not match its tensors")
+        try:
+            self.bucket = WeightBucket(version=meta.get("version"), index=meta.get("index"),
+                                       count=meta.get("count"), names=names)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise CorruptPayload(f"weight bucket {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        self.total = 8 + hl + max(ends, default=0)
+        if self.total > self.max_bytes:
+            raise PayloadTooLarge(f"payload declares {self.total} bytes, over the limit of {self.max_bytes}")
+        if self.size > self.total:
+            raise CorruptPayload(f"payload runs past its declared {self.total} bytes")
+        self.expected_hash = mh.get("xxh3_64")
+        self._hash = hasher(mh["meta"])
+        head, rest = bytes(self.head[:8 + hl]), bytes(self.head[8 + hl:])
+        self.head = bytearray()
+        self._hash.update(rest)
+        self._held = [head, rest] if rest else [head]
+
+    def finish(self) -> WeightBucket:
+        if self.bucket is None or self.size != self.total:
+            raise CorruptPayload(f"payload ends after {self.size} bytes, before its declared end (truncated?)")
+        if self.expected_hash != self._hash.hexdigest():
+            raise CorruptPayload("checksum mismatch: the payload was altered or truncated in transit")
+        return self.bucket
+
+
+def decode_weight_bucket(data: bytes, max_bytes: int = MAX_WEIGHTS_BYTES) -> WeightBucket:
+    """A whole bucket from bytes, tensors included (the worker streams instead: WeightBucketReader)."""
+    if len(data) < 8:
+        raise CorruptPayload(f"payload of {len(data)} bytes is too short to be safetensors")
+    reader = WeightBucketReader(lambda _: None, max_bytes)
+    reader.feed(bytes(data))
+    bucket = reader.finish()
+    try:
+        t = st_load(bytes(data))
+    except Exception as exc:  # safetensors raises its own error types for every parse failure
+        raise CorruptPayload(f"malformed safetensors body: {exc}") from None
+    return bucket.model_copy(update={"tensors": [(n, t[n]) for n in bucket.names]})
+
+
+def bucketize(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Split named tensors, in order, into buckets of about `bucket_bytes` (a large tensor gets its own)."""
+    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, t))
+        size += nbytes
+    return [b for b in buckets if b]

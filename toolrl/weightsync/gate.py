@@ -1,0 +1,151 @@
+"""The worker's side of weight sync: the gate between rollouts and weight updates.
+
+Rollouts run inside `gate.rollout()`. When an update arrives the gate closes: new rollouts wait,
+in-flight ones drain (they finish on the weights they started under and stay tagged with that
+version; only after `drain_timeout_s` are they aborted and discarded), then the new weights load in
+place and the version moves. So no sample mixes two policies.
+
+If a load fails part-way the weights are a mix: `weights_ok` turns false, the gate stays closed and
+/health says so until a whole update loads. Updates arrive as HTTP buckets (`receive_bucket`,
+streamed into slot files by toolrl.weightsync.receiver while the engine loads them) or by broadcast
+on a joined process group (`join_group`, `receive_broadcast`; toolrl.weightsync.process_group).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+from toolrl.net import wait_for
+from toolrl.weightsync.receiver import Update, WeightAssembler
+from toolrl.weightsync.transport import BucketOrderError, UpdateAborted
+
+log = logging.getLogger("gen_worker")
+
+
+class WeightGate:
+    """`engine` needs load_buckets, load_broadcast, join_group and abort_all (toolrl.worker.engine)."""
+
+    def __init__(self, engine, assembler: WeightAssembler, drain_timeout_s: float, sync_timeout_s: float,
+                 on_loaded: Callable[[int, float], None] = lambda version, reload_s: None):
+        self.engine, self.assembler = engine, assembler
+        self.drain_timeout_s, self.sync_timeout_s = drain_timeout_s, sync_timeout_s
+        self.on_loaded = on_loaded
+        self.version = 0
+        self.weights_ok = True  # False after a load failed part-way: the weights are a mix
+        self.phase: str | None = None  # "draining" | "loading" while an update is under way
+        self.group: str | None = None  # the learner's process group joined
+        self.inflight = 0
+        self.tasks: set[asyncio.Task] = set()  # rollout tasks, cancelled when a drain times out
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()  # cleared while an update drains and loads
+        self._open.set()
+        self._lock = asyncio.Lock()
+
+    # -- the rollouts' side ----------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def rollout(self) -> AsyncIterator[int]:
+        """Run rollouts inside this: held back while an update loads, drained before it loads.
+        Yields the policy version they run under."""
+        await self._open.wait()
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield self.version
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    def track(self, task: asyncio.Task) -> None:
+        """A task whose rollouts should be cancelled, not awaited, when a drain times out."""
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- HTTP buckets ---------------------------------------------------------------------------
+    async def receive_bucket(self, chunks: AsyncIterator[bytes]) -> dict:
+        """One bucket of an update (POST /update_weights), streamed to a file as it arrives. The
+        first bucket starts the load; the answer to the last one waits for it."""
+        bucket, update = await self.assembler.receive(chunks, self.version, self._start_load)
+        if not bucket.last:
+            return {"version": bucket.version, "loaded": False, "received": bucket.index + 1, "of": bucket.count}
+        if update.task is None:
+            raise UpdateAborted(f"version {bucket.version} has no load under way")
+        return await asyncio.shield(update.task)  # a dropped connection must not cancel the load
+
+    def _start_load(self, update: Update) -> None:
+        async def load() -> float:
+            return await self.engine.load_buckets(str(update.dir), update.id, update.count, self.sync_timeout_s)
+
+        async def run() -> dict:
+            try:
+                return await self.swap(update.version, load, lambda: update.aborted)
+            except BaseException:
+                update.abort()
+                raise
+            finally:
+                self.assembler.discard(update)
+
+        update.task = asyncio.create_task(run())
+        update.task.add_done_callback(lambda t: t.cancelled() or t.exception())  # errors reach the last bucket
+
+    # -- a process group ------------------------------------------------------------------------
+    async def join_group(self, spec: dict) -> None:
+        """Join the learner's process group; it replaces any other."""
+        self.group = None
+        await self.engine.join_group(spec)
+        self.group = spec["group_id"]
+
+    async def receive_broadcast(self, group_id: str, version: int, push_id: str, specs: list) -> dict:
+        """A whole update by broadcast on the joined group; answers after the load."""
+        if version < self.version:
+            raise BucketOrderError(f"version {version} is older than the loaded {self.version}")
+        if group_id != self.group:  # refused before the drain: the weights stay whole
+            raise BucketOrderError(f"not a member of process group {group_id!r}: join it first")
+
+        async def load() -> float:
+            return await self.engine.load_broadcast(group_id, push_id, specs, self.sync_timeout_s)
+
+        return await self.swap(version, load)
+
+    # -- the swap -------------------------------------------------------------------------------
+    async def swap(self, version: int, load: Callable[[], Awaitable[float]], aborted=lambda: False) -> dict:
+        """Close the gate, drain the in-flight rollouts, `load()` the new weights in place and move
+        the version. If the load fails part-way the gate stays closed until a whole update loads."""
+        async with self._lock:  # an earlier update, superseded, finishes failing first
+            self._open.clear()
+            t0, loading = time.time(), False
+            self.phase = "draining"
+            try:
+                if aborted():
+                    raise UpdateAborted(f"version {version} was superseded")
+                try:
+                    await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
+                except asyncio.TimeoutError:
+                    for task in list(self.tasks):  # rollouts between segments would resubmit
+                        task.cancel()
+                    n = await self.engine.abort_all()
+                    log.warning("drain timed out after %.0fs; aborted %d groups (%d requests)",
+                                time.time() - t0, len(self.tasks), n)
+                    await wait_for(self._idle.wait(), 60, "aborting in-flight rollouts")
+                drain_s = time.time() - t0
+                if aborted():
+                    raise UpdateAborted(f"version {version} was superseded")
+                loading, self.weights_ok, self.phase = True, False, "loading"
+                reload_s = await load()
+                self.version, self.weights_ok = version, True
+                self.on_loaded(version, reload_s)
+                log.info("loaded policy version %d (drain %.2fs, load %.2fs)", version, drain_s, reload_s)
+                return {"version": version, "loaded": True, "drain_s": drain_s, "reload_s": reload_s}
+            except BaseException as exc:
+                if loading:
+                    log.error("loading version %d failed part-way (%s); no rollouts until a whole update loads",
+                              version, exc)
+                raise
+            finally:
+                self.phase = None
+                if self.weights_ok:
+                    self._open.set()

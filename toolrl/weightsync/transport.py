@@ -1,0 +1,45 @@
+"""The one interface every weight-sync transport implements, and what they share.
+
+    transport.push(worker, named, version) -> the worker's answer, after it has loaded `version`
+    transport.forget(live)                 -> drop what is kept for workers no longer in `live`
+
+`worker` is a registry entry ({"id", "url", ...}); `named` is [(name, tensor)] in the order the
+engine loads them. A push either returns a confirmed answer or raises WeightSyncError: a sync is
+confirmed, never assumed. Transports: `http` (toolrl.weightsync.http, any machine) and
+`process_group` (toolrl.weightsync.process_group, NCCL between GPUs, gloo on CPU).
+"""
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+
+class WeightSyncError(RuntimeError):
+    """The learner could not bring a worker to a version (it names the worker and the step)."""
+
+
+class BucketOrderError(ValueError):
+    """The worker refuses an update part that is out of place (order, version, group)."""
+
+
+class UpdateAborted(RuntimeError):
+    """A weight update superseded by a newer one, or cut short by a bad bucket."""
+
+
+class Transport(Protocol):
+    name: str
+
+    def push(self, worker: dict, named: list[tuple[str, torch.Tensor]], version: int) -> dict: ...
+
+    def forget(self, live: set[tuple[str, str]]) -> None: ...
+
+
+def confirm_loaded(url: str, answer: dict, version: int, t0: float) -> dict:
+    """A worker's answer to the last part of an update, whatever the transport: it must say it
+    loaded `version`. Adds the push's wall time."""
+    if answer.get("version") != version or not answer.get("loaded"):
+        raise WeightSyncError(f"{url}: worker did not confirm loading version {version}: {answer}")
+    answer["push_s"] = time.time() - t0
+    return answer
