@@ -30,7 +30,7 @@ endif
 	$(PY) -c "import transformers.models.llama.modeling_llama, transformers; from transformers import AutoModelForCausalLM, LlamaForCausalLM; import vllm, deepspeed; print('environment OK: torch', __import__('torch').__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
 ifeq ($(SETUP),cpu)
 	# DeepSpeed compiles its CPU ops on first use (minutes); do it once here, not inside a run or a test.
-	$(PY) -c "from toolrl.learner.trainer import build_cpu_ops; build_cpu_ops()"
+	$(PY) -c "from toolrl.learner.housekeeping import build_cpu_ops; build_cpu_ops()"
 endif
 	# The built-in models are converted once into ~/.cache/toolrl (SmolLM2 from its GGUF: ~35 s).
 	$(PY) -m toolrl.models --path-only --model tiny-random

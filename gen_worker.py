@@ -7,50 +7,7 @@ As a service it registers with the reference server, uploads scored groups (wait
 server is full) and serves POST /update_weights, GET /health and GET /stats. With --rollout-only
 it writes scored samples to a JSONL file and needs no reference server.
 """
-import argparse
-import asyncio
-import json
-
-from toolrl.config import add_config_args, config_from_args
-from toolrl.net import setup_logging
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_config_args(parser)
-    parser.add_argument("--host", help="bind address (default rollout.host, 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (default rollout.port)")
-    parser.add_argument("--worker-id", help="unique id in the registry (default host-pid)")
-    parser.add_argument("--public-url", help="URL the learner uses to reach this worker")
-    parser.add_argument("--max-groups", type=int,
-                        help="stop producing after this many groups (keeps serving updates and probes)")
-    parser.add_argument("--rollout-only", action="store_true", help="write samples to --out; no ref server")
-    parser.add_argument("--num-prompts", type=int, default=8, help="prompts (groups) in --rollout-only mode")
-    parser.add_argument("--out", default="runs/rollouts.jsonl", help="JSONL output of --rollout-only")
-    args = parser.parse_args()
-    cfg = config_from_args(args)
-    setup_logging("gen_worker")
-
-    if args.rollout_only:
-        from toolrl.worker.producer import GenWorker, rollout_only
-
-        async def run():
-            worker = GenWorker(cfg, worker_id=args.worker_id or "rollout-only")
-            try:
-                return await rollout_only(worker, args.num_prompts, args.out)
-            finally:
-                await worker.executor.aclose()
-                worker.close()
-
-        print(json.dumps(asyncio.run(run())))
-        return
-
-    from toolrl.worker.app import run_service
-
-    host = args.host or cfg.rollout.host
-    port = args.port or cfg.rollout.port
-    asyncio.run(run_service(cfg, args.worker_id, host, port, args.public_url, args.max_groups))
-
+from toolrl.worker.main import main
 
 if __name__ == "__main__":
     main()

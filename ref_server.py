@@ -5,31 +5,7 @@
 Gen workers upload scored groups; the learner pulls batches carrying reference logprobs. With
 grpo.beta = 0 no reference model is loaded and samples pass straight through. See docs/REF_SERVER.md.
 """
-from __future__ import annotations
-
-import argparse
-
-from toolrl.config import add_config_args, config_from_args
-from toolrl.net import serve, setup_logging
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_config_args(parser)
-    parser.add_argument("--host", help="bind address (default: ref_server.host, 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (default: ref_server.port)")
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    cfg = config_from_args(args)
-    log = setup_logging("ref_server", args.log_level)
-
-    from toolrl.refserver.app import create_app  # after arg parsing: --help stays fast
-
-    app = create_app(cfg, log=log)
-    host, port = args.host or cfg.ref_server.host, args.port or cfg.ref_server.port
-    print(f"reference server listening on http://{host}:{port}", flush=True)
-    serve(app, host, port)
-
+from toolrl.refserver.main import main
 
 if __name__ == "__main__":
     main()

@@ -71,7 +71,7 @@ def bench_step(args) -> dict:
     engine = tr.engine
 
     def plain_step():
-        from toolrl.learner.trainer import micro_batches
+        from toolrl.learner.batching import micro_batches
 
         mbs = micro_batches(batch, cfg.learner.micro_batch_tokens)
         for k, mb in enumerate(mbs):

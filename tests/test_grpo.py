@@ -111,7 +111,7 @@ def test_tis_caps_stale_weights():
 
 def test_shared_prompt_micro_batches_keep_groups_whole_within_budget():
     from toolrl.protocol import Sample
-    from toolrl.learner.trainer import micro_batches
+    from toolrl.learner.batching import micro_batches
 
     def smp(prompt, c):
         return Sample(prompt_ids=[prompt] * 300, completion_ids=[1] * c, loss_mask=[1] * c, logprobs=[0.0] * c,

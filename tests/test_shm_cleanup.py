@@ -5,7 +5,7 @@ import mmap
 import subprocess
 import sys
 
-from toolrl.learner.trainer import clear_stale_shm_buffers
+from toolrl.learner.housekeeping import clear_stale_shm_buffers
 from toolrl.weightsync.receiver import WeightAssembler, remove_stale_weight_dirs
 
 

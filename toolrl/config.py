@@ -448,3 +448,29 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python config.py --config FILE [--set k=v ...] [--print | --get KEY ...]`: check, print or query a config."""
+    parser = argparse.ArgumentParser(prog="config.py", description="check, print or query the one config of the system")
+    add_config_args(parser)
+    parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
+    parser.add_argument("--get", metavar="KEY", action="append",
+                        help="print a resolved value, e.g. executor.port; repeatable, one line each "
+                             "(lists as 1,2,3, null as an empty line)")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    if args.get:
+        for key in args.get:
+            value = cfg
+            for part in key.split("."):
+                if not hasattr(value, part):
+                    raise SystemExit(f"config error: unknown key '{key}'")
+                value = getattr(value, part)
+            # shell-friendly: a list as 1,2,3 and None as an empty line (launch.sh reads these)
+            print(",".join(map(str, value)) if isinstance(value, list) else "" if value is None else value)
+    elif args.print:
+        print(dump_config(cfg), end="")
+    else:
+        print("config OK")
+

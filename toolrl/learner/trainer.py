@@ -23,56 +23,12 @@ from pathlib import Path
 import torch
 
 from toolrl.config import Config
+from toolrl.learner.batching import micro_batches
+from toolrl.learner.housekeeping import clear_stale_op_locks, clear_stale_shm_buffers
 from toolrl.grpo import BatchCounts, Role, grpo_loss, sample_roles, sft_loss
 from toolrl.logprobs import completion_logprobs, pack_samples, shared_prompt_logprobs
 from toolrl.models import resolve_dtype
 from toolrl.protocol import Sample
-
-
-def micro_batches(samples: list[Sample], token_budget: int, share_prompts: bool = False) -> list[list[Sample]]:
-    """Split a batch so each micro-batch's cost stays within the token budget.
-
-    Packed rows (share_prompts False) cost rows * longest row, so length-sorted samples are packed
-    greedily. With shared prompts a group of samples with one prompt costs the prompt once plus
-    rows * longest completion, so a prompt's samples stay together (split only when one group
-    alone is over the budget) and whole groups are packed greedily."""
-    if not share_prompts:
-        order = sorted(samples, key=lambda s: s.num_tokens)
-        out: list[list[Sample]] = []
-        cur: list[Sample] = []
-        for s in order:
-            longest = max([s.num_tokens] + [c.num_tokens for c in cur])
-            if cur and longest * (len(cur) + 1) > token_budget:
-                out.append(cur)
-                cur = []
-            cur.append(s)
-        if cur:
-            out.append(cur)
-        return out
-    by_prompt: dict[tuple, list[Sample]] = {}
-    for s in samples:
-        by_prompt.setdefault(tuple(s.prompt_ids), []).append(s)
-    chunks: list[tuple[int, list[Sample]]] = []  # (cost, samples of one prompt)
-    for prompt, group in by_prompt.items():
-        cur, longest = [], 0
-        for s in sorted(group, key=lambda s: len(s.completion_ids)):
-            c = max(longest, len(s.completion_ids))
-            if cur and len(prompt) + c * (len(cur) + 1) > token_budget:
-                chunks.append((len(prompt) + longest * len(cur), cur))
-                cur, c = [], len(s.completion_ids)
-            cur.append(s)
-            longest = c
-        chunks.append((len(prompt) + longest * len(cur), cur))
-    out, cur, used = [], [], 0
-    for cost, chunk in sorted(chunks, key=lambda c: c[0]):
-        if cur and used + cost > token_budget:
-            out.append(cur)
-            cur, used = [], 0
-        cur += chunk
-        used += cost
-    if cur:
-        out.append(cur)
-    return out
 
 
 def out_of_time(budget_s: float | None, elapsed_s: float, last_step_s: float) -> bool:
@@ -91,58 +47,6 @@ def _lr_lambda(cfg: Config):
         progress = min(1.0, (step - warm) / max(1, total - warm))
         return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
     return f
-
-
-def clear_stale_op_locks(max_age_s: float = 900.0) -> list[Path]:
-    """Remove torch-extension build locks left by a process killed mid-compile.
-
-    torch waits forever on such a lock (no timeout, no owner check), so one learner killed while
-    DeepSpeed compiled its CPU ops would hang every later one. A compile takes minutes; a lock
-    older than `max_age_s` has no live owner."""
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    removed = []
-    for lock in root.glob("*/*/lock"):
-        try:
-            if time.time() - lock.stat().st_mtime > max_age_s:
-                lock.unlink()
-                removed.append(lock)
-        except OSError:
-            pass
-    return removed
-
-
-def clear_stale_shm_buffers(shm: str | Path = "/dev/shm") -> list[Path]:
-    """Remove DeepSpeed CPU all-reduce buffers (`deepspeed_allreduce_buffer_*`, 67 MB each, in RAM)
-    that no live process maps. DeepSpeed never unlinks them, so every learner run leaves one."""
-    mapped: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            mapped.update(line.split()[-1] for line in maps.read_text().splitlines()
-                          if "deepspeed_allreduce_buffer" in line)
-        except OSError:
-            pass
-    removed = []
-    for f in Path(shm).glob("deepspeed_allreduce_buffer_*"):
-        if str(f) not in mapped:
-            try:
-                f.unlink()
-                removed.append(f)
-            except OSError:
-                pass
-    return removed
-
-
-def build_cpu_ops() -> None:
-    """Compile DeepSpeed's CPU communication op now (`make install`), so no run or test pays minutes for it."""
-    from deepspeed.accelerator import get_accelerator
-
-    for lock in clear_stale_op_locks(max_age_s=0):
-        print(f"removed a stale build lock: {lock}")
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")  # torch AdamW: no fused_adam
-    if builder is not None:
-        t0 = time.time()
-        builder.load()
-        print(f"DeepSpeed op {builder.NAME} ready ({time.time() - t0:.0f}s)")
 
 
 class Trainer:

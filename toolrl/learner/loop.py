@@ -1,0 +1,161 @@
+"""The learner's loop, top to bottom: the story of a training run.
+
+Each step: wait for a full batch from the reference server (catching late workers up meanwhile),
+one GRPO step (toolrl.learner.trainer), every `sync_every` steps push the weights to all live
+workers and announce the new policy version (toolrl.weightsync), every `checkpoint_every` steps save
+an exact-resume checkpoint. Held-out evaluations run on a live worker that holds the policy.
+"""
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from toolrl.config import Config
+from toolrl.learner.monitor import Monitor, batch_stats
+from toolrl.learner.trainer import Trainer, out_of_time
+from toolrl.models import resolve_dtype, resolve_model
+from toolrl.protocol import sample_record
+from toolrl.refserver.client import RefServerClient
+from toolrl.weightsync.pusher import WeightSync
+from toolrl.worker.evaluate import evaluate_on_worker
+
+log = logging.getLogger("learner")
+
+
+def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
+    ckpt_dir = run_dir / "checkpoints" if run_dir else Path(cfg.learner.checkpoint_dir)
+    log_dir = run_dir / "logs" if run_dir else Path(cfg.logging.log_dir)
+    if cfg.learner.cpu_cores and not torch.cuda.is_available():
+        os.sched_setaffinity(0, cfg.learner.cpu_cores)
+        torch.set_num_threads(len(cfg.learner.cpu_cores))
+        log.info("pinned to cores %s, %d torch threads", cfg.learner.cpu_cores, torch.get_num_threads())
+
+    trainer = Trainer(cfg, resolve_model(cfg.model.name))
+    rank0 = trainer.rank == 0
+    if resume and trainer.load_checkpoint(ckpt_dir):
+        log.info("resumed at step %d, policy version %d", trainer.step, trainer.version)
+    ref = RefServerClient(cfg.ref_server.url, token=cfg.ref_server.token)
+    sync = WeightSync(cfg, ref)
+    sync_dtype = getattr(torch, resolve_dtype(cfg.model.dtype))  # what the workers' engines run
+    state = lambda: trainer.export_state(sync_dtype)  # noqa: E731
+    monitor = Monitor(cfg, log_dir, trainer.rank)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if rank0 and resume and trainer.step > 0:
+        # Workers may hold weights newer than the checkpoint (trained after it, then lost): the
+        # resumed policy gets a version above all of them, so nothing mistakes it for older.
+        ahead = max([int(w.get("policy_version", 0)) for w in ref.workers()] + [-1])
+        if ahead >= trainer.version:
+            trainer.version = ahead + 1
+        sync.push(state(), trainer.version)
+    elif rank0:
+        ref.set_version(trainer.version)
+
+    def held_out(tag: str) -> None:
+        """A held-out evaluation (the `eval` section) on a live worker holding the current policy.
+        Rank 0 only; a failure is logged, never fatal to training."""
+        if not rank0:
+            return
+        t, deadline = time.time(), time.time() + min(300.0, cfg.eval.timeout_s)
+        while True:
+            try:
+                res = evaluate_on_worker(cfg, ref.workers(), trainer.version, sync.pushed)
+                break
+            except Exception as exc:
+                if "no live worker" not in str(exc) or time.time() > deadline:
+                    log.warning("held-out evaluation (%s) skipped: %s", tag, exc)
+                    return
+                time.sleep(2)  # workers still starting, or a heartbeat behind
+        monitor.log_eval(trainer.step, tag, res)
+        print(f"eval {tag} step {trainer.step} v{trainer.version}: accuracy {res['accuracy']:.3f} "
+              f"format {res['format_rate']:.2f} tools/answer {res['tool_calls_per_answer']:.2f} "
+              f"on {res['n_problems']} problems x {cfg.eval.samples} ({time.time() - t:.0f}s)", flush=True)
+
+    if cfg.eval.before_after and trainer.step == 0:
+        held_out("before")
+    acc_ema = None  # drives the decay of the teacher-SFT weight as the policy gets better
+    train_t0, last_step_s = time.time(), 0.0
+    while trainer.step < cfg.learner.steps:
+        t0 = time.time()
+        if trainer.all_agree(out_of_time(cfg.learner.time_budget_s, t0 - train_t0, last_step_s)):
+            if rank0:
+                print(f"time budget: {t0 - train_t0:.0f}s of {cfg.learner.time_budget_s:.0f}s used, and a step "
+                      f"takes {last_step_s:.0f}s; stopping after step {trainer.step}", flush=True)
+            break
+        # A step trains on a full batch (batch_samples): pieces are gathered until it is full.
+        want, budget = max(1, cfg.learner.batch_samples // world), cfg.learner.batch_tokens // world
+        batch, deadline = [], t0 + cfg.learner.batch_timeout_s
+        while len(batch) < want:
+            if time.time() > deadline:
+                raise SystemExit(f"{len(batch)}/{want} samples from {cfg.ref_server.url} within "
+                                 f"{cfg.learner.batch_timeout_s:.0f}s")
+            if rank0:
+                sync.catch_up(state, trainer.version)
+            used = sum(len(s.prompt_ids) + len(s.completion_ids) for s in batch)
+            if batch and used >= budget:
+                break  # the token budget is full before the sample count
+            batch += ref.get_batch(want - len(batch), budget - used, wait_s=min(10.0, cfg.ref_server.batch_wait_s),
+                                   min_samples=want - len(batch)) or []
+        t1 = time.time()
+        w_teacher = cfg.grpo.w_teacher
+        if cfg.teacher.decay_at_accuracy is not None and acc_ema is not None:
+            w_teacher *= max(0.0, 1.0 - acc_ema / cfg.teacher.decay_at_accuracy)
+        metrics = trainer.train_step(batch, w_teacher=w_teacher)
+        t2 = time.time()
+        synced = {}
+        if trainer.step % cfg.learner.sync_every == 0:
+            trainer.version += 1
+            named = state()
+            if rank0:
+                synced = sync.push(named, trainer.version)
+        t3 = time.time()
+        if cfg.learner.checkpoint_every and trainer.step % cfg.learner.checkpoint_every == 0:
+            trainer.save_checkpoint(ckpt_dir)  # on every rank: each writes its ZeRO shard
+        if rank0 and cfg.logging.dump_samples:
+            with open(log_dir / "samples.jsonl", "a") as f:
+                for s in batch:
+                    f.write(json.dumps(sample_record(s, step=trainer.step)) + "\n")
+        metrics.update(batch_stats(batch, trainer.version))
+        a = cfg.teacher.ema
+        acc_ema = metrics["accuracy"] if acc_ema is None else a * acc_ema + (1 - a) * metrics["accuracy"]
+        last_step_s = time.time() - t0
+        metrics.update(time_wait_s=t1 - t0, time_compute_s=t2 - t1, time_sync_s=t3 - t2, step_time_s=last_step_s,
+                       policy_version=trainer.version, workers_ok=synced.get("workers_ok", 0),
+                       workers_failed=synced.get("workers_failed", 0))
+        if rank0:
+            try:
+                st = ref.stats()
+                metrics.update({f"queue/{k}": v for k, v in st.items() if isinstance(v, (int, float))})
+            except Exception as exc:  # stats are nice to have; never stop training for them
+                log.warning("could not read reference server stats: %s", exc)
+        monitor.log(trainer.step, metrics)
+        if rank0:
+            print(f"step {trainer.step}/{cfg.learner.steps} v{trainer.version} "
+                  f"reward {metrics['reward/total_mean']:.3f} acc {metrics['accuracy']:.2f} "
+                  f"tools/sample {metrics['tool_calls_per_sample']:.2f} loss {metrics['loss']:+.4f} "
+                  f"kl {metrics['kl']:.4f} step {metrics['step_time_s']:.1f}s "
+                  f"(wait {t1 - t0:.1f} compute {t2 - t1:.1f} sync {t3 - t2:.1f})", flush=True)
+        if cfg.eval.every and trainer.step % cfg.eval.every == 0 and trainer.step < cfg.learner.steps:
+            held_out("every")
+
+    if trainer.step % cfg.learner.sync_every:  # the workers (and the evaluation) get the final policy
+        trainer.version += 1
+        named = state()  # every rank: a ZeRO-3 gather is collective
+        if rank0:
+            sync.push(named, trainer.version)
+
+    if cfg.learner.checkpoint_every == 0 or trainer.step % cfg.learner.checkpoint_every:
+        trainer.save_checkpoint(ckpt_dir)
+    export = trainer.export_hf((run_dir or Path(cfg.learner.checkpoint_dir).parent) / "export")
+    if cfg.eval.before_after or (cfg.eval.every and trainer.step % cfg.eval.every == 0):
+        held_out("after")
+    if rank0:
+        summary = {"steps": trainer.step, "policy_version": trainer.version, "samples": trainer.samples_seen,
+                   "skipped_steps": trainer.skipped_steps, "export": str(export)}
+        print(json.dumps(summary), flush=True)
+    monitor.close()
+    ref.close()
+    logging.shutdown()
+

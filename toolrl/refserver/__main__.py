@@ -1,0 +1,3 @@
+from toolrl.refserver.main import main
+
+main()

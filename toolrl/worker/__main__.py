@@ -1,0 +1,3 @@
+from toolrl.worker.main import main
+
+main()
