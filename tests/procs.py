@@ -5,7 +5,6 @@ import atexit
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,9 @@ from pathlib import Path
 
 import httpx
 
+from toolrl.net import free_port  # noqa: E402,F401  (tests import it from here)
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 _LIVE: set["Proc"] = set()

@@ -76,6 +76,12 @@ def setup_logging(name: str, level: str = "INFO") -> logging.Logger:
     return logging.getLogger(name)
 
 
+def add_bind_args(parser, section: str) -> None:
+    """--host and --port of a service, defaulting to its config section's (127.0.0.1 unless set)."""
+    parser.add_argument("--host", help=f"bind address (default: {section}.host, 127.0.0.1)")
+    parser.add_argument("--port", type=int, help=f"port (default: {section}.port)")
+
+
 def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
     import uvicorn  # here, not at the top: clients import this module and never serve
 

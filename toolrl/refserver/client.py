@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 import uuid
 from collections.abc import Callable
@@ -18,8 +17,8 @@ from typing import Any
 
 import httpx
 
+from toolrl.net import RetryPolicy, auth_headers, retry_after_s
 from toolrl.protocol import CONTENT_TYPE, Sample, decode_samples, encode_samples
-from toolrl.net import auth_headers
 
 log = logging.getLogger("toolrl.refserver.client")
 _RETRY_STATUS = (502, 503, 504)
@@ -46,15 +45,53 @@ def _detail(r: httpx.Response) -> str:
         return r.text[:500]
 
 
-def _retry_after(r: httpx.Response | None) -> float:
+class _Tries:
+    """The attempts of one request under the retry policy: iterating yields the pause before each
+    try; `judge` keeps a usable answer (and ends the iteration), notes why a try failed, or raises
+    RefServerError at once when retrying cannot help. Exhausted tries raise RefServerUnavailable."""
+
+    def __init__(self, policy: RetryPolicy, what: str, ok: tuple[int, ...]):
+        self.policy, self.what, self.ok = policy, what, ok
+        self.answer: httpx.Response | None = None
+        self.last: httpx.Response | None = None
+        self.reason = ""
+
+    def __iter__(self):
+        for attempt in range(self.policy.retries + 1):
+            yield self.policy.delay(attempt - 1, retry_after_s(self.last)) if attempt else 0.0
+            if self.answer is not None:
+                return
+        raise RefServerUnavailable(f"{self.what} failed after {self.policy.retries + 1} tries; last: {self.reason}")
+
+    def judge(self, r: httpx.Response | None, exc: Exception | None) -> None:
+        self.last = r
+        self.answer, self.reason = _outcome(r, exc, self.ok)
+
+
+def _call(send, *args, **kw) -> tuple[httpx.Response | None, Exception | None]:
     try:
-        return max(0.0, float(r.headers.get("retry-after", 0))) if r is not None else 0.0
-    except ValueError:
-        return 1.0
+        return send(*args, **kw), None
+    except httpx.TransportError as exc:
+        return None, exc
 
 
-def _backoff(attempt: int, floor: float = 0.0, cap: float = 5.0) -> float:
-    return max(floor, min(cap, 0.1 * 2 ** attempt)) * random.uniform(1.0, 1.25)
+async def _acall(send, *args, **kw) -> tuple[httpx.Response | None, Exception | None]:
+    try:
+        return await send(*args, **kw), None
+    except httpx.TransportError as exc:
+        return None, exc
+
+
+def _outcome(r: httpx.Response | None, exc: Exception | None, ok: tuple[int, ...]) -> tuple[httpx.Response | None, str]:
+    """(the response to use, "") or (None, why) when the request is worth retrying; raises
+    RefServerError when the server refused the request itself."""
+    if exc is not None:
+        return None, f"{type(exc).__name__}: {exc}"
+    if r.status_code in ok:
+        return r, ""
+    if r.status_code not in _RETRY_STATUS:
+        raise RefServerError(r.status_code, _detail(r))
+    return None, f"{r.status_code}: {_detail(r)}"
 
 
 class AsyncRefServerClient:
@@ -64,6 +101,7 @@ class AsyncRefServerClient:
                  upload_wait_s: float = 10.0, retries: int = 4):
         self.url, self.timeout_s, self.max_wait_s, self.retries = url.rstrip("/"), timeout_s, max_wait_s, retries
         self.upload_wait_s = upload_wait_s  # asks the server to hold a full-queue upload this long
+        self.policy = RetryPolicy(retries=retries, cap_s=5.0)
         self._http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(token), timeout=timeout_s)
         self.upload_waits = 0  # 503s seen by upload: how often backpressure made us wait
 
@@ -76,46 +114,31 @@ class AsyncRefServerClient:
         deadline = time.monotonic() + limit
         attempt, reason = 0, ""
         while True:
-            t0, r = time.monotonic(), None
+            t0 = time.monotonic()
             wait = min(self.upload_wait_s, max(0.0, deadline - t0))
-            try:
-                r = await self._http.post("/upload", content=body, headers=headers, params={"wait_s": round(wait, 3)},
-                                          timeout=self.timeout_s + wait)
-                if r.status_code == 200:
-                    return r.json()
-                if r.status_code not in _RETRY_STATUS:
-                    raise RefServerError(r.status_code, _detail(r))
-                reason = f"{r.status_code}: {_detail(r)}"
-                self.upload_waits += 1
-            except httpx.TransportError as exc:
-                reason = f"{type(exc).__name__}: {exc}"
+            r, exc = await _acall(self._http.post, "/upload", content=body, headers=headers,
+                                  params={"wait_s": round(wait, 3)}, timeout=self.timeout_s + wait)
+            accepted, reason = _outcome(r, exc, (200,))
+            if accepted is not None:
+                return accepted.json()
+            self.upload_waits += r is not None
             now = time.monotonic()
             if now >= deadline:
                 raise RefServerUnavailable(f"upload not accepted within {limit:.0f}s; last: {reason}")
             # The server already held us `wait` seconds: go again at once. Otherwise honour Retry-After.
             held = r is not None and r.status_code == 503 and now - t0 >= wait * 0.9 and wait > 0
-            pause = 0.0 if held else _backoff(attempt, _retry_after(r))
+            pause = 0.0 if held else self.policy.delay(attempt, retry_after_s(r))
             attempt += 1
             if attempt % 10 == 0:
                 log.info("upload still waiting (%d tries): %s", attempt, reason)
             await asyncio.sleep(min(pause, max(0.0, deadline - now)))
 
     async def _request(self, method: str, path: str, ok: tuple[int, ...] = (200,), **kw) -> httpx.Response:
-        reason = ""
-        for attempt in range(self.retries + 1):
-            r = None
-            try:
-                r = await self._http.request(method, path, **kw)
-                if r.status_code in ok:
-                    return r
-                if r.status_code not in _RETRY_STATUS:
-                    raise RefServerError(r.status_code, _detail(r))
-                reason = f"{r.status_code}: {_detail(r)}"
-            except httpx.TransportError as exc:
-                reason = f"{type(exc).__name__}: {exc}"
-            if attempt < self.retries:
-                await asyncio.sleep(_backoff(attempt, _retry_after(r)))
-        raise RefServerUnavailable(f"{method} {path} failed after {self.retries + 1} tries; last: {reason}")
+        tries = _Tries(self.policy, f"{method} {path}", ok)
+        for pause in tries:
+            await asyncio.sleep(pause)
+            tries.judge(*await _acall(self._http.request, method, path, **kw))
+        return tries.answer
 
     async def register(self, worker_id: str, url: str, capabilities: dict[str, Any] | None = None,
                        policy_version: int = 0) -> dict[str, Any]:
@@ -179,24 +202,15 @@ class RefServerClient:
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0, retries: int = 4):
         self.url, self.timeout_s, self.retries = url.rstrip("/"), timeout_s, retries
         self._http = httpx.Client(base_url=self.url, headers=auth_headers(token), timeout=timeout_s)
+        self.policy = RetryPolicy(retries=retries, cap_s=5.0)
         self.last_batch_meta: dict[str, Any] = {}  # the server's notes on the last batch (versions, timings)
 
     def _request(self, method: str, path: str, ok: tuple[int, ...] = (200,), **kw) -> httpx.Response:
-        reason = ""
-        for attempt in range(self.retries + 1):
-            r = None
-            try:
-                r = self._http.request(method, path, **kw)
-                if r.status_code in ok:
-                    return r
-                if r.status_code not in _RETRY_STATUS:
-                    raise RefServerError(r.status_code, _detail(r))
-                reason = f"{r.status_code}: {_detail(r)}"
-            except httpx.TransportError as exc:
-                reason = f"{type(exc).__name__}: {exc}"
-            if attempt < self.retries:
-                time.sleep(_backoff(attempt, _retry_after(r)))
-        raise RefServerUnavailable(f"{method} {path} failed after {self.retries + 1} tries; last: {reason}")
+        tries = _Tries(self.policy, f"{method} {path}", ok)
+        for pause in tries:
+            time.sleep(pause)
+            tries.judge(*_call(self._http.request, method, path, **kw))
+        return tries.answer
 
     def get_batch(self, max_samples: int, max_tokens: int, wait_s: float | None = None,
                   min_samples: int = 1) -> list[Sample] | None:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 
 from toolrl.config import add_config_args, config_from_args
-from toolrl.net import serve, setup_logging
+from toolrl.net import add_bind_args, serve, setup_logging
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ref_server.py", description=__doc__.splitlines()[0])
     add_config_args(parser)
-    parser.add_argument("--host", help="bind address (default: ref_server.host, 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (default: ref_server.port)")
+    add_bind_args(parser, "ref_server")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)

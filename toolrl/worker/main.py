@@ -12,14 +12,13 @@ import asyncio
 import json
 
 from toolrl.config import add_config_args, config_from_args
-from toolrl.net import setup_logging
+from toolrl.net import add_bind_args, setup_logging
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="gen_worker.py", description=__doc__.splitlines()[0])
     add_config_args(parser)
-    parser.add_argument("--host", help="bind address (default rollout.host, 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (default rollout.port)")
+    add_bind_args(parser, "rollout")
     parser.add_argument("--worker-id", help="unique id in the registry (default host-pid)")
     parser.add_argument("--public-url", help="URL the learner uses to reach this worker")
     parser.add_argument("--max-groups", type=int,

@@ -1,8 +1,6 @@
 """ref_server.py as a process: loads the reference from config, binds 127.0.0.1, serves with a token."""
 import asyncio
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -13,20 +11,8 @@ import pytest
 
 from toolrl.protocol import Sample
 from toolrl.refserver.client import AsyncRefServerClient, RefServerClient
+from procs import ROOT, free_port  # tests/ is on sys.path (conftest)
 
-ROOT = Path(__file__).resolve().parent.parent
-PORTS = range(18290, 18300)  # apart from test_ref_server.py's, so the two files can run side by side
-
-
-def free_port() -> int:
-    for port in random.sample(PORTS, len(PORTS)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 18290-18299")
 
 
 def listening_addresses(port: int) -> set[str]:

@@ -1,7 +1,6 @@
 """The reference server as a real HTTP service (uvicorn in a thread, the tiny model in float32)."""
 import asyncio
 import random
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -19,19 +18,8 @@ from toolrl.refserver import reference as reference_mod
 from toolrl.refserver.app import create_app
 from toolrl.refserver.client import AsyncRefServerClient, RefServerClient, RefServerError
 from toolrl.refserver.queue import sample_nbytes
+from procs import free_port  # tests/ is on sys.path (conftest)
 
-PORTS = range(18250, 18290)
-
-
-def free_port() -> int:
-    for port in random.sample(PORTS, len(PORTS)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 18250-18289")
 
 
 @contextmanager
