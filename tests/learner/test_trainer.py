@@ -179,8 +179,8 @@ def test_time_budget_stops_before_a_step_that_would_overrun_it():
 
 RANK_MAIN = """
 import json, os, sys
-sys.path.insert(0, "tests")
-from test_learner import batch, make_cfg
+sys.path[:0] = ["tests", "tests/learner"]
+from test_trainer import batch, make_cfg
 from toolrl.models import resolve_model
 from toolrl.learner.trainer import Trainer
 
