@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from toolrl.executor.client import AsyncExecutorClient, ExecutorClient  # noqa: E402
 from toolrl.executor.local import LocalExecutor  # noqa: E402
+from toolrl.net import free_port  # noqa: E402
 
 SNIPPET = "print(1+1)"
 
@@ -169,14 +170,14 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def free_port(preferred: int) -> int:
+def port_or_free(preferred: int) -> int:
+    """`preferred` when it is free now, else any free port."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", preferred))
             return preferred
         except OSError:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+            return free_port()
 
 
 def _interrupt(*_):
@@ -196,7 +197,7 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=100, help="session rollouts (3 blocks each)")
     args = ap.parse_args()
 
-    port = free_port(args.port)
+    port = port_or_free(args.port)
     url = f"http://127.0.0.1:{port}"
     service = start_service(port, args.workers)
     try:

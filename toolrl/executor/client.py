@@ -5,15 +5,15 @@
     rs: list[ExecResult] = await c.execute_batch([{"code": ..., "timeout_s": ...}, ...])
     await c.delete_session(session_id); ok: bool = await c.health(); await c.aclose()
 
-Retries: 429 and 503 (the request was not run) and failures to connect, with exponential backoff
-that honours Retry-After. After `retries` retries: ExecutorUnavailable. A request that was sent
+Retries: 429 and 503 (the request was not run) and failures to connect, by the system's one
+`toolrl.net.RetryPolicy` (exponential backoff from `backoff_s` up to `max_backoff_s`, with jitter,
+never sooner than Retry-After). After `retries` retries: ExecutorUnavailable. A request that was sent
 but got no answer in time is not retried (its code may have run): ExecutorUnavailable at once.
 A request the server refuses (4xx) raises ExecutorRequestError with the server's reason.
 """
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from typing import Any, Iterable
 from urllib.parse import quote
@@ -21,10 +21,9 @@ from urllib.parse import quote
 import httpx
 
 from toolrl.executor.api import BatchResponse, ExecRequest, ExecResult
-from toolrl.net import auth_headers
+from toolrl.net import RetryPolicy, auth_headers, retry_after_s
 
-RETRY_STATUS = (429, 503)
-MAX_RETRY_AFTER_S = 60.0
+RETRY_STATUS = (429, 503)  # the service did not run the request: always safe to send again
 
 
 class ExecutorError(RuntimeError):
@@ -47,9 +46,7 @@ class _Common:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.retry = RetryPolicy(retries=retries, base_s=backoff_s, cap_s=max_backoff_s)
 
     @staticmethod
     def _exec_payload(code: str, timeout_s, memory_mb, stdin, session_id) -> dict:
@@ -68,20 +65,11 @@ class _Common:
         read = max(self.timeout_s, longest + 30.0)
         return httpx.Timeout(read, connect=min(10.0, self.timeout_s))
 
-    def _delay(self, attempt: int, resp: httpx.Response | None) -> float:
-        if resp is not None:
-            ra = resp.headers.get("retry-after", "")
-            try:
-                return min(MAX_RETRY_AFTER_S, max(0.0, float(ra)))
-            except ValueError:
-                pass
-        return min(self.max_backoff_s, self.backoff_s * (2 ** attempt)) * (0.5 + random.random() / 2)
-
     def _decide(self, resp: httpx.Response | None, exc: Exception | None, attempt: int, path: str):
         """Returns the response to use, or None to retry; raises when there is nothing more to try."""
         if exc is not None:
             if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-                if attempt < self.retries:
+                if attempt < self.retry.retries:
                     return None
                 raise ExecutorUnavailable(f"cannot reach the executor at {self.url}{path} after "
                                           f"{attempt + 1} attempts: {exc!r}") from exc
@@ -89,7 +77,7 @@ class _Common:
                                       f"{exc!r}") from exc
         assert resp is not None
         if resp.status_code in RETRY_STATUS:
-            if attempt < self.retries:
+            if attempt < self.retry.retries:
                 return None
             raise ExecutorUnavailable(f"executor at {self.url} still busy after {attempt + 1} attempts: "
                                       f"{resp.status_code} {_detail(resp)}", resp.status_code)
@@ -132,7 +120,7 @@ class ExecutorClient(_Common):
             used = self._decide(resp, exc, attempt, path)
             if used is not None:
                 return used
-            time.sleep(self._delay(attempt, resp))
+            time.sleep(self.retry.delay(attempt, retry_after_s(resp)))
             attempt += 1
 
     def execute(self, code: str, timeout_s: float | None = None, memory_mb: int | None = None,
@@ -188,7 +176,7 @@ class AsyncExecutorClient(_Common):
             used = self._decide(resp, exc, attempt, path)
             if used is not None:
                 return used
-            await asyncio.sleep(self._delay(attempt, resp))
+            await asyncio.sleep(self.retry.delay(attempt, retry_after_s(resp)))
             attempt += 1
 
     async def execute(self, code: str, timeout_s: float | None = None, memory_mb: int | None = None,

@@ -9,6 +9,10 @@ import errno
 import json
 import os
 import struct
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # a type only: the fork server and the runners need not load asyncio
+    import asyncio
 
 _LEN = struct.Struct(">I")
 MAX_FRAME = 64 << 20  # front end <-> fork server; a batch never gets near this (requests are capped)
@@ -64,6 +68,14 @@ def read_frame_blocking(fd: int, limit: int = MAX_FRAME):
     if body is None:
         raise FrameError("EOF inside a frame")
     return json.loads(body)
+
+
+async def read_frame_async(reader: asyncio.StreamReader, limit: int = MAX_FRAME):
+    """One frame from an asyncio stream (the front end's end of the fork server's socket)."""
+    (n,) = _LEN.unpack(await reader.readexactly(4))
+    if n > limit:
+        raise FrameError(f"frame of {n} bytes is over the limit of {limit}")
+    return json.loads(await reader.readexactly(n))
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:

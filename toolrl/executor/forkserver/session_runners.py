@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import logging
 
-from toolrl.executor.output import Capture
-from toolrl.executor.procs import Proc, Session, describe_exit, synthetic
+from toolrl.executor.forkserver.capture import Capture
+from toolrl.executor.forkserver.records import Proc, Session, describe_exit, synthetic
 
 log = logging.getLogger("toolrl.forkserver")
 SESSION_UID_OFFSET = 64  # slot uids are uid_base + [0, 64); session uids follow
 
 
-class SessionRuns:
+class SessionRunners:
     def start_session_block(self, job: dict) -> bool:
         """False when the job has to wait (its session is busy, starting, or being cleaned up)."""
         idx, fresh = job["session"], bool(job.get("fresh"))

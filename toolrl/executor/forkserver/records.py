@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import time
 
-from toolrl.executor import ipc, runner
-from toolrl.executor.lanes import Lane
-from toolrl.executor.output import Capture
+from toolrl.executor import ipc
+from toolrl.executor.forkserver.capture import Capture
+from toolrl.executor.forkserver.lanes import Lane
+from toolrl.executor.runner.child import MAX_JOB
 
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 
@@ -33,7 +33,7 @@ class Proc:
 
     def __init__(self, pid: int, lane: Lane, owner, session, fds: dict, job_w: int, cap: int, vm_base: int):
         self.pid, self.lane, self.owner, self.session, self.fds = pid, lane, owner, session, fds
-        self.job_out = ipc.OutBuffer(job_w, limit=runner.MAX_JOB)
+        self.job_out = ipc.OutBuffer(job_w, limit=MAX_JOB)
         self.out, self.err = Capture(cap), Capture(cap)
         self.res = ipc.FrameReader(limit=64 << 10)
         self.report: dict | None = None
@@ -120,29 +120,3 @@ def describe_exit(status: int, run: Run | None) -> str:
     if os.WIFSIGNALED(status):
         return f"the process was killed by {signal.Signals(os.WTERMSIG(status)).name}"
     return f"the process exited with code {os.waitstatus_to_exitcode(status)}"
-
-
-def kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def prlimit(pid: int, res: int, value: int) -> None:
-    try:
-        resource.prlimit(pid, res, (value, value + 1 if res == resource.RLIMIT_CPU else value))
-    except (ProcessLookupError, PermissionError, ValueError):
-        pass
-
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK
-    except (OSError, IndexError, ValueError):
-        return 0.0

@@ -1,4 +1,4 @@
-"""The front end's side of the fork server: start it, admit work, match results, restart it if it dies.
+"""The front end's handle on the fork server: start it, admit work, match results, restart it if it dies.
 
 The front end never forks runners itself (it is multi-threaded under uvicorn); it talks to the fork
 server over one Unix socket. Admission is bounded (`max_queue` executions queued or running): beyond
@@ -7,7 +7,6 @@ that `run` raises QueueFull at once, so memory never grows with offered load.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import os
@@ -24,7 +23,7 @@ log = logging.getLogger("toolrl.executor")
 HELLO_TIMEOUT_S = 120.0
 
 
-class BackendDown(RuntimeError):
+class ForkServerDown(RuntimeError):
     """The fork server is not running (starting, or restarting after a crash)."""
 
 
@@ -34,7 +33,7 @@ class QueueFull(RuntimeError):
         self.retry_after = retry_after
 
 
-class Backend:
+class ForkServerLink:
     def __init__(self, cfg: ExecutorConfig, on_restart=None):
         self.cfg = cfg
         self.on_restart = on_restart  # called when a new fork server replaces a dead one
@@ -64,14 +63,14 @@ class Backend:
         parent.sendall(ipc.pack(self._fork_config()))
         reader, self._writer = await asyncio.open_connection(sock=parent, limit=ipc.MAX_FRAME)
         try:
-            hello = await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S)
+            hello = await asyncio.wait_for(ipc.read_frame_async(reader), HELLO_TIMEOUT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ipc.FrameError) as exc:
             self._kill_proc()
-            raise BackendDown(f"the fork server did not start (exit code {self.proc.poll()}): "
+            raise ForkServerDown(f"the fork server did not start (exit code {self.proc.poll()}): "
                               f"{exc!r}") from None
         if hello.get("op") != "hello":
             self._kill_proc()
-            raise BackendDown(f"unexpected first message from the fork server: {hello!r}")
+            raise ForkServerDown(f"unexpected first message from the fork server: {hello!r}")
         self.hello = hello
         self.ready = True
         self._reader_task = asyncio.create_task(self._read_loop(reader))
@@ -116,7 +115,7 @@ class Backend:
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                msg = await _read_frame(reader)
+                msg = await ipc.read_frame_async(reader)
                 if msg.get("op") == "results":
                     for item in msg["items"]:
                         fut = self._pending.pop(item["id"], None)
@@ -145,7 +144,7 @@ class Backend:
                 if self.on_restart:
                     self.on_restart()
                 return
-            except (BackendDown, OSError) as exc:
+            except (ForkServerDown, OSError) as exc:
                 log.error("fork server restart failed: %s; retrying in %.1f s", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(30.0, delay * 2)
@@ -154,7 +153,7 @@ class Backend:
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
-                fut.set_exception(BackendDown(why))
+                fut.set_exception(ForkServerDown(why))
 
     # -- work ------------------------------------------------------------------------------------
     def retry_after(self) -> int:
@@ -163,7 +162,7 @@ class Backend:
     def admit(self, n: int) -> None:
         """Reserve room for n executions, or raise at once."""
         if not self.ready:
-            raise BackendDown("the fork server is starting or restarting")
+            raise ForkServerDown("the fork server is starting or restarting")
         if self.admitted + n > self.cfg.max_queue:
             raise QueueFull(f"the executor queue is full ({self.admitted} of {self.cfg.max_queue} admitted)",
                             self.retry_after())
@@ -186,7 +185,7 @@ class Backend:
             futs.append(fut)
         try:
             if not self.ready or self._writer is None:
-                raise BackendDown("the fork server is not running")
+                raise ForkServerDown("the fork server is not running")
             self._writer.write(ipc.pack({"op": "run", "jobs": jobs}))
             await asyncio.wait_for(self._writer.drain(), 30)
             done, not_done = await asyncio.wait(futs, timeout=self.cfg.max_wait_s)
@@ -208,11 +207,3 @@ class Backend:
                 self._writer.write(ipc.pack(msg))
             except (OSError, ConnectionError) as exc:
                 log.warning("could not send %s to the fork server: %s", msg.get("op"), exc)
-
-
-async def _read_frame(reader: asyncio.StreamReader):
-    head = await reader.readexactly(4)
-    n = int.from_bytes(head, "big")
-    if n > ipc.MAX_FRAME:
-        raise ipc.FrameError(f"frame of {n} bytes from the fork server")
-    return json.loads(await reader.readexactly(n))

@@ -8,20 +8,16 @@ without appearing there.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
+import fcntl
 import os
 import pwd
 import sys
 import tempfile
 
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
-
-_libc = ctypes.CDLL(None, use_errno=True)
+from toolrl.executor.syscalls import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER,
+                                      CLONE_NEWUTS, MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE,
+                                      MS_RDONLY, MS_REC, MS_REMOUNT, become, mount, unshare)
 
 IMPACT = {
     "mountns": "no mount namespace: runners share /tmp, /dev/shm and the rest of the host filesystem "
@@ -35,35 +31,6 @@ IMPACT = {
     "cgroup": "no cgroups: memory is limited per process (RLIMIT_AS) not per slot, process count only by "
               "RLIMIT_NPROC, and out-of-memory kills by the kernel read as 'killed'",
 }
-
-
-def _check(ret: int, what: str) -> None:
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def unshare(flags: int) -> None:
-    _check(_libc.unshare(ctypes.c_int(flags)), f"unshare({flags:#x})")
-
-
-def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = lambda s: s.encode() if s is not None else None  # noqa: E731
-    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-           f"mount {target}")
-
-
-def umount(target: str) -> None:
-    _check(_libc.umount2(target.encode(), ctypes.c_int(2)), f"umount {target}")  # MNT_DETACH
-
-
-_prctl = _libc.prctl
-_prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-_prctl.restype = ctypes.c_int
-
-
-def prctl(option: int, arg: int) -> None:
-    _check(_prctl(option, arg, 0, 0, 0), f"prctl({option})")
 
 
 def new_report(disabled: list[str]) -> dict:
@@ -117,8 +84,6 @@ def claim_uid_range(base: int, size: int, tries: int = 64) -> tuple[int, int]:
     Each executor holds an flock on a lock file named after its block for as long as it lives, so two
     services (tests, colleagues) never share slot uids (RLIMIT_NPROC counts per uid system-wide).
     Returns (first uid, lock fd to keep open)."""
-    import fcntl
-
     step = 1 << 16
     for k in range(tries):
         first = base + k * step
@@ -241,11 +206,16 @@ def _bind_back(keep: list[tuple[str, int]], under: str) -> list[str]:
     out = []
     for p, fd in keep:
         if p == under or p.startswith(under + "/"):
-            os.makedirs(p, mode=0o755, exist_ok=True)
-            mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
-            mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY | _statvfs_flags(p))
+            _bind_readonly(fd, p)
             out.append(p)
     return out
+
+
+def _bind_readonly(fd: int, path: str) -> None:
+    """Bind the directory open (O_PATH) at `fd` onto `path`, read-only; `path` is made if missing."""
+    os.makedirs(path, mode=0o755, exist_ok=True)
+    mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+    mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | _statvfs_flags(path))
 
 
 def _expose_python() -> list[str]:
@@ -263,9 +233,7 @@ def _expose_python() -> list[str]:
         fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in paths}
         mount("tmpfs", anc, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
         for p, fd in fds.items():
-            os.makedirs(p, mode=0o755, exist_ok=True)
-            mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
-            mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY | _statvfs_flags(p))
+            _bind_readonly(fd, p)
             os.close(fd)
             exposed.append(p)
         mount(None, anc, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
@@ -281,9 +249,7 @@ def probe_uid_drop(uid: int) -> str | None:
     if pid == 0:
         code = 3
         try:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
+            become(uid)
             code = 4
             with open(os.__file__, "rb"):
                 pass

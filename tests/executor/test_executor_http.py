@@ -14,7 +14,8 @@ import pytest
 from toolrl.executor.api import ExecResult
 from toolrl.executor.client import (AsyncExecutorClient, ExecutorClient, ExecutorRequestError,
                                    ExecutorUnavailable)
-from toolrl.executor.local import LocalExecutor, free_port
+from toolrl.executor.local import LocalExecutor
+from toolrl.net import RetryPolicy, free_port
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "s3cret-token"
@@ -149,7 +150,7 @@ def test_client_gives_up_with_executor_unavailable(ex, http):
     try:
         _wait_queued(http, MAX_QUEUE)
         with ExecutorClient(ex.url, token=TOKEN, retries=1, max_backoff_s=0.05) as c:
-            c._delay = lambda attempt, resp: 0.05  # do not wait out the server's Retry-After here
+            c.retry = RetryPolicy(retries=1, cap_s=0.05, max_retry_after_s=0.05)  # not the server's Retry-After
             with pytest.raises(ExecutorUnavailable) as err:
                 c.execute("print(1)")
         assert err.value.status_code == 429

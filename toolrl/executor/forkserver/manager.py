@@ -1,13 +1,8 @@
-"""The fork server: one single-threaded process that gives every execution a fresh runner.
+"""The manager: the fork server's single-threaded event loop, PID 1 of the sandbox (boot.py starts it).
 
-    python -m toolrl.executor.forkserver FD      (started by the front end; FD is its socket)
-
-Start-up, in the first process: read the config frame, claim a block of sandbox uids, create the
-cgroups, unshare the mount/net/IPC/UTS/PID namespaces, fork. The child (the manager below) is PID 1 of
-the new PID namespace: it mounts a private /proc and /tmp, makes / read-only, probes the uid drop,
-starts the sweeper and the zygote (which pre-imports the allowed modules; zygote.py says why it is a
-separate process), answers `hello` and serves. When it dies, the kernel kills everything in its PID
-namespace: no runner outlives the server.
+It serves the front end's socket, asks the zygotes (zygote.py says why they are separate processes)
+for runners, hands each runner its job, captures its output, enforces deadlines and cleans its lane
+up afterwards. When it dies, the kernel kills everything in its PID namespace: no runner outlives it.
 
 Each slot keeps one pre-forked spare runner (still root, already in its cgroup and working dir,
 blocked on its job pipe), so a job costs one pipe write, not a fork, on the critical path. Deadlines
@@ -29,13 +24,15 @@ import signal
 import sys
 import time
 
-from toolrl.executor import ipc, zygote
-from toolrl.executor.lanes import Lane, LaneFactory, Sweeper, sweep_descendants
-from toolrl.executor.zygote import ZygoteLink
-from toolrl.executor.runner import SETUP_FAILED
-from toolrl.executor.session_runs import SESSION_UID_OFFSET, SessionRuns
-from toolrl.executor.procs import (Proc, Run, Session, Slot, classify, kill, proc_cpu_s, prlimit,
-                                  synthetic)
+from toolrl.executor import ipc
+from toolrl.executor.forkserver import zygote
+from toolrl.executor.forkserver.lanes import Lane, LaneFactory
+from toolrl.executor.forkserver.records import Proc, Run, Session, Slot, classify, synthetic
+from toolrl.executor.forkserver.session_runners import SESSION_UID_OFFSET, SessionRunners
+from toolrl.executor.forkserver.sweeper import Sweeper, sweep_descendants
+from toolrl.executor.forkserver.zygote import ZygoteLink
+from toolrl.executor.runner.child import SETUP_FAILED
+from toolrl.executor.syscalls import clear_wakeup, kill, proc_cpu_s, prlimit, sigchld_wakeup
 
 log = logging.getLogger("toolrl.forkserver")
 
@@ -46,7 +43,7 @@ IDLE_OUTPUT_LIMIT = 1 << 20  # a session whose leftover threads print this much 
 MEMORY_CGROUP_SLACK = 64 << 20  # pages the runner copies from the warm parent on write
 
 
-class ForkServer(SessionRuns):
+class ForkServer(SessionRunners):
     def __init__(self, sock_fd: int, cfg: dict, report: dict, cgroups, lanes: LaneFactory, sweeper: Sweeper):
         self.cfg, self.report, self.cgroups, self.lanes, self.sweeper = cfg, report, cgroups, lanes, sweeper
         self.sock_fd = sock_fd
@@ -72,11 +69,7 @@ class ForkServer(SessionRuns):
         self._reaping = False
         ns, fs = report["namespaces"], report["filesystem"]
         self.proc_consistent = bool(fs.get("proc_private")) or not ns.get("pidns")  # /proc pids == our pids
-        self.wake_r, wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(wake_w, False)
-        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.wake_r = sigchld_wakeup()
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_term)
         base_path = [p for p in sys.path if p and p != os.getcwd()]
@@ -114,10 +107,7 @@ class ForkServer(SessionRuns):
         self.stopping = True
 
     def on_wakeup(self, ev: int) -> None:
-        try:
-            os.read(self.wake_r, 4096)
-        except BlockingIOError:
-            pass
+        clear_wakeup(self.wake_r)
         self.reap()
 
     def watch(self, fd: int, events: int, handler) -> None:
@@ -349,16 +339,20 @@ class ForkServer(SessionRuns):
             self.watch(res_r, IN, lambda ev, p=p: self.on_result(p))
             then(p)
 
-    def on_output(self, p: Proc, stream: str) -> None:
-        fd = p.fds[stream]
+    def _read(self, fd: int) -> bytes:
+        """What a runner's pipe holds now; b"" when it has nothing yet, or at EOF (then unwatched)."""
         try:
             data = os.read(fd, 1 << 16)
         except BlockingIOError:
-            return
+            return b""
         if not data:
             self.unwatch(fd)
-            return
-        self._take_output(p, stream, data)
+        return data
+
+    def on_output(self, p: Proc, stream: str) -> None:
+        data = self._read(p.fds[stream])
+        if data:
+            self._take_output(p, stream, data)
 
     def _take_output(self, p: Proc, stream: str, data: bytes) -> None:
         run = p.run
@@ -376,23 +370,21 @@ class ForkServer(SessionRuns):
             self.kill_run(p, "output_limit", f"[executor: killed after printing more than {limit} bytes]")
 
     def on_result(self, p: Proc) -> None:
-        fd = p.fds["res"]
-        try:
-            data = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return
-        if not data:
-            self.unwatch(fd)
-            return
+        data = self._read(p.fds["res"])
+        if data:
+            self._take_reports(p, data, block_done=p.session is not None)
+
+    def _take_reports(self, p: Proc, data: bytes, block_done: bool = False) -> None:
+        """Feed the result pipe; each report frame becomes `p.report` (and ends a session's block)."""
         try:
             p.res.feed(data)
             for frame in p.res.frames():
                 if isinstance(frame, dict):
                     p.report = frame
-                    if p.session is not None:
+                    if block_done:
                         self.session_block_done(p)
         except ipc.FrameError:
-            self.unwatch(fd)  # garbage from user code: ignore this channel, use the exit status
+            self.unwatch(p.fds["res"])  # garbage from user code: ignore this channel, use the exit status
 
     def drain(self, p: Proc) -> None:
         budget = self.cfg["output_kill_bytes"] + (1 << 16)
@@ -409,14 +401,8 @@ class ForkServer(SessionRuns):
                 budget -= len(data)
                 if stream != "res":
                     self._take_output(p, stream, data)
-                    continue
-                try:
-                    p.res.feed(data)
-                    for frame in p.res.frames():
-                        if isinstance(frame, dict):
-                            p.report = frame
-                except ipc.FrameError:
-                    break
+                else:
+                    self._take_reports(p, data)
 
     def close(self, p: Proc) -> None:
         for fd in (*p.fds.values(), p.job_out.fd):
@@ -563,8 +549,3 @@ class ForkServer(SessionRuns):
             self.at(0.1, lambda: self.spawn_spare(slot))
             return
         slot.proc, slot.state, slot.since = p, "spare", time.monotonic()
-
-if __name__ == "__main__":
-    from toolrl.executor.boot import main
-
-    main()

@@ -1,10 +1,11 @@
-"""Notebook-like sessions: state kept between the successive code blocks of one rollout.
+"""The front end's side of sessions: which index each session id holds, and why a session ended.
 
-A session id maps to an index (its lane in the fork server: a long-lived runner process with its
-own uid). Sessions end on DELETE, after `ttl_s` idle, when evicted to make room (least recently
-used idle session first), or when their process dies (time limit, os._exit, OOM). Whatever the
-cause, the next block on that id is told: `session_reset: true` and the reason. Tombstones that
-remember those reasons are bounded too.
+Sessions keep state between the successive code blocks of one rollout, like a notebook. A session
+id maps to an index: its lane in the fork server (forkserver/session_runners.py), a long-lived
+runner process with its own uid. Sessions end on DELETE, after `ttl_s` idle, when evicted to make
+room (least recently used idle session first), or when their process dies (time limit, os._exit,
+OOM). Whatever the cause, the next block on that id is told: `session_reset: true` and the reason.
+Tombstones that remember those reasons are bounded too.
 """
 from __future__ import annotations
 

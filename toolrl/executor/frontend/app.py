@@ -24,8 +24,8 @@ from pydantic import ValidationError
 
 from toolrl.config import ExecutorConfig
 from toolrl.executor.api import BatchRequest, BatchResponse, ExecRequest, ExecResult, HealthResponse
-from toolrl.executor.backend import Backend, BackendDown, QueueFull
-from toolrl.executor.sessions import SessionManager, SessionsFull
+from toolrl.executor.frontend.forkserver_link import ForkServerDown, ForkServerLink, QueueFull
+from toolrl.executor.frontend.session_ids import SessionManager, SessionsFull
 from toolrl.net import bearer_auth, install_error_handlers, read_body_capped
 
 log = logging.getLogger("toolrl.executor")
@@ -40,11 +40,11 @@ class Executor:
 
     def __init__(self, cfg: ExecutorConfig):
         self.cfg = cfg
-        self.backend = Backend(cfg, on_restart=self._on_restart)
+        self.forkserver = ForkServerLink(cfg, on_restart=self._on_restart)
         self.sessions = SessionManager(cfg.max_sessions, cfg.session_ttl_s, self._kill_session)
 
     def _kill_session(self, index: int, note: str) -> None:
-        self.backend.send({"op": "kill_session", "session": index, "note": note})
+        self.forkserver.send({"op": "kill_session", "session": index, "note": note})
 
     def _on_restart(self) -> None:
         self.sessions.reset_all("the executor's fork server restarted; the session's state was lost")
@@ -70,19 +70,19 @@ class Executor:
         """Run requests; raises HTTPException for everything the caller should see as an HTTP error."""
         try:
             jobs = [self.job(r, f"items[{i}]." if batch else "") for i, r in enumerate(reqs)]
-            self.backend.admit(len(jobs))
+            self.forkserver.admit(len(jobs))
         except LimitError as exc:
             raise HTTPException(422, str(exc)) from None
         except QueueFull as exc:
             raise HTTPException(429, str(exc), headers={"Retry-After": str(exc.retry_after)}) from None
-        except BackendDown as exc:
+        except ForkServerDown as exc:
             raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
         try:
             plain = [i for i, r in enumerate(reqs) if r.session_id is None]
             out: list[ExecResult | None] = [None] * len(reqs)
 
             async def run_plain():
-                items = await self.backend.run([jobs[i] for i in plain]) if plain else []
+                items = await self.forkserver.run([jobs[i] for i in plain]) if plain else []
                 for i, item in zip(plain, items):
                     out[i] = _result(item, None)
 
@@ -92,13 +92,13 @@ class Executor:
             # tasks start in item order, so blocks of one session take its lock in item order
             await asyncio.gather(run_plain(), *(run_session(i) for i, r in enumerate(reqs) if r.session_id))
             return out  # type: ignore[return-value]
-        except (BackendDown, SessionsFull) as exc:
+        except (ForkServerDown, SessionsFull) as exc:
             raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
         except asyncio.TimeoutError as exc:
             raise HTTPException(503, f"timed out waiting for results: {exc}",
                                 headers={"Retry-After": "5"}) from None
         finally:
-            self.backend.release(len(jobs))
+            self.forkserver.release(len(jobs))
 
     async def _run_session(self, sid: str, job: dict) -> ExecResult:
         while True:
@@ -111,7 +111,7 @@ class Executor:
                         continue  # it ended while we waited for it: acquire again (a new session)
                     reset, s.pending_reset = s.pending_reset, None
                     fresh, s.fresh = s.fresh, False
-                    [item] = await self.backend.run([dict(job, session=s.index, fresh=fresh)])
+                    [item] = await self.forkserver.run([dict(job, session=s.index, fresh=fresh)])
                 finally:
                     s.lock.release()
             finally:
@@ -163,11 +163,11 @@ def create_app(cfg: ExecutorConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        hello = await ex.backend.start()
+        hello = await ex.forkserver.start()
         try:
             log_isolation(hello, cfg)
         except RuntimeError:
-            await ex.backend.stop()
+            await ex.forkserver.stop()
             raise
         expiry = asyncio.create_task(ex.expiry_loop())
         gc.collect()
@@ -178,7 +178,7 @@ def create_app(cfg: ExecutorConfig) -> FastAPI:
             yield
         finally:
             expiry.cancel()
-            await ex.backend.stop()
+            await ex.forkserver.stop()
 
     app = FastAPI(title="toolrl executor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.executor = ex
@@ -218,7 +218,7 @@ def create_app(cfg: ExecutorConfig) -> FastAPI:
 
     @app.get("/health", dependencies=auth)
     async def health() -> JSONResponse:
-        b = ex.backend
+        b = ex.forkserver
         hello = b.hello or {}
         body = HealthResponse(ok=b.ready, workers=hello.get("workers", 0), queued=b.admitted,
                               max_queue=cfg.max_queue, sessions=len(ex.sessions),

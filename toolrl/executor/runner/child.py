@@ -1,4 +1,4 @@
-"""The child side: what a runner process does between the fork server's fork() and its _exit().
+"""The runner: what a runner process does between the fork server's fork() and its _exit().
 
 Root phase (before any job): join the lane's cgroups, put the pipes on fds 0-4, close every other
 inherited fd, enter the private working directory. (Signal dispositions, no_new_privs, the
@@ -20,11 +20,12 @@ import os
 import resource
 import signal
 import sys
+import tempfile
 import traceback
 import types
 
 from toolrl.executor import ipc
-from toolrl.executor.isolation import PR_SET_PDEATHSIG, prctl
+from toolrl.executor.syscalls import PR_SET_PDEATHSIG, become, prctl
 
 RESULT_FD, JOB_FD = 3, 4
 SETUP_FAILED = 121  # exit code: the sandbox could not be set up; no user code ran
@@ -133,11 +134,7 @@ def _drop(lane: dict, job: dict) -> None:
     setrl(resource.RLIMIT_AS, (as_bytes, as_bytes))
     uid = lane.get("uid")
     if uid is not None:
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-        if os.getuid() != uid or os.geteuid() != uid:
-            raise OSError("uid drop did not take")
+        become(uid)
     if lane.get("pdeathsig"):  # no PID namespace to take us down with the fork server
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
 
@@ -179,7 +176,6 @@ def prepare_parent(base_path: list[str], handled: tuple[int, ...]) -> None:
     _STDIO = (open(0, "r", encoding="utf-8", errors="replace", closefd=False),
               open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False),
               open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False))
-    import tempfile
     tempfile.tempdir = None  # computed in the child, from TMPDIR (the working dir)
 
 

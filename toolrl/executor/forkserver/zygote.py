@@ -35,8 +35,10 @@ import select
 import signal
 import socket
 import sys
+import threading
 
-from toolrl.executor import isolation, runner
+from toolrl.executor.runner import child
+from toolrl.executor.syscalls import PR_SET_NO_NEW_PRIVS, clear_wakeup, prctl, sigchld_wakeup
 
 VM_REFRESH = 256  # forks between re-reads of our own address-space size
 
@@ -114,8 +116,8 @@ def _main(sock: socket.socket, preimport: list[str], base_path: list[str]) -> No
             missing.append(f"{name}: {type(exc).__name__}")
     devnull = os.open(os.devnull, os.O_RDONLY)  # fd 4: with 0-4 taken, every pipe end is >= 5
     reaper = _Reaper()
-    runner.prepare_parent(base_path, reaper.handled)
-    isolation.prctl(isolation.PR_SET_NO_NEW_PRIVS, 1)  # inherited by every runner; we never exec
+    child.prepare_parent(base_path, reaper.handled)
+    prctl(PR_SET_NO_NEW_PRIVS, 1)  # inherited by every runner; we never exec
     _skip_threading_after_fork()
     gc.collect()
     gc.freeze()  # objects made so far are never scanned again: runners do not touch their pages
@@ -160,9 +162,9 @@ def _fork_runner(sock: socket.socket, req: dict, devnull: int, vm: int) -> int:
     out_r, out_w, err_r, err_w, res_r, res_w, job_r, job_w = fds
     if pid == 0:
         try:
-            runner.child_main(req["lane"], (devnull, out_w, err_w, res_w, job_r), req["s"])
+            child.child_main(req["lane"], (devnull, out_w, err_w, res_w, job_r), req["s"])
         finally:
-            os._exit(runner.SETUP_FAILED)
+            os._exit(child.SETUP_FAILED)
     for fd in (out_w, err_w, res_w, job_r):
         os.close(fd)
     try:
@@ -186,11 +188,7 @@ class _Reaper:
             os.close(os.pidfd_open(os.getpid()))
         except (AttributeError, OSError):
             self.pidfds = None
-            self.wake_r, wake_w = os.pipe()
-            os.set_blocking(self.wake_r, False)
-            os.set_blocking(wake_w, False)
-            signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-            signal.signal(signal.SIGCHLD, lambda *_: None)
+            self.wake_r = sigchld_wakeup()
             self.poller.register(self.wake_r, select.POLLIN)
             self.handled = (signal.SIGCHLD,)
 
@@ -202,10 +200,7 @@ class _Reaper:
 
     def ready(self, fd: int, sock: socket.socket) -> None:
         if self.pidfds is None:
-            try:
-                os.read(self.wake_r, 4096)
-            except BlockingIOError:
-                pass
+            clear_wakeup(self.wake_r)
             _reap(sock, -1)
             return
         pid = self.pidfds.pop(fd)
@@ -234,8 +229,6 @@ def _skip_threading_after_fork() -> None:
     ~580 copy-on-write faults (measured). Here it has nothing to rebuild: the zygote never starts a
     thread and forks only from its loop, holding no lock, so the child's copy is already right (one
     main thread, unlocked module locks). Only then is the hook made a no-op."""
-    import threading
-
     hook = getattr(threading, "_after_fork", None)
     if hook is not None and threading.active_count() == 1 and not hook.__code__.co_freevars:
         hook.__code__ = (lambda *args, **kwargs: None).__code__

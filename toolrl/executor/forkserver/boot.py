@@ -1,8 +1,10 @@
-"""Start-up of the fork server (`python -m toolrl.executor.forkserver FD`).
+"""Start-up of the fork server (`python -m toolrl.executor.forkserver FD`; FD is the front end's socket).
 
-The first process claims a block of uids, creates the cgroups and unshares the namespaces, then only
-waits for its child (and removes the cgroups afterwards). The child, PID 1 of the new PID namespace,
-sets up the filesystem, probes the uid drop, starts the sweeper and serves (forkserver.ForkServer).
+The first process reads the config frame, claims a block of uids, creates the cgroups and unshares
+the mount/net/IPC/UTS/PID namespaces, then only waits for its child (and removes the cgroups
+afterwards). The child, PID 1 of the new PID namespace, mounts a private /proc and /tmp, makes /
+read-only, probes the uid drop, starts the sweeper and serves (manager.ForkServer, which starts the
+zygotes and answers `hello`).
 """
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ import signal
 import sys
 import time
 
-from toolrl.executor import ipc, isolation
-from toolrl.executor.forkserver import SESSION_UID_OFFSET, ForkServer
-from toolrl.executor.lanes import LaneFactory, Sweeper
-from toolrl.executor.procs import kill
+from toolrl.executor import ipc
+from toolrl.executor.forkserver import isolation
+from toolrl.executor.forkserver.lanes import LaneFactory
+from toolrl.executor.forkserver.manager import ForkServer
+from toolrl.executor.forkserver.session_runners import SESSION_UID_OFFSET
+from toolrl.executor.forkserver.sweeper import Sweeper
+from toolrl.executor.syscalls import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill, prctl
 
 log = logging.getLogger("toolrl.forkserver")
 
@@ -28,7 +33,7 @@ def main() -> None:
     cfg = ipc.read_frame_blocking(sock_fd)
     disabled = set(cfg["disabled"])
     report = isolation.new_report(sorted(disabled))
-    isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)  # the front end dies -> we die -> PID 1 too
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the front end dies -> we die -> PID 1 too
     if os.getppid() == 1:
         sys.exit(0)  # it died before we could ask
     os.setsid()  # signals aimed at the front end's process group (Ctrl-C, killpg) are for it alone
@@ -54,9 +59,9 @@ def main() -> None:
     if pid:
         _wait_child(pid, sock_fd, cgroups)
         return
-    isolation.prctl(isolation.PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if not report["namespaces"].get("pidns"):
-        isolation.prctl(isolation.PR_SET_CHILD_SUBREAPER, 1)  # orphans come to us, not to init
+        prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans come to us, not to init
     if report["namespaces"].get("utsns"):
         ctypes.CDLL(None).sethostname(b"sandbox", 7)
     scratch = isolation.setup_filesystem(report, 16)
