@@ -47,6 +47,13 @@ class CorruptPayload(WireFormatError):
 # ---------------------------------------------------------------------------------------------
 # The sample record
 
+# Why a rollout ended. eos: the model finished its turn; length: max_new_tokens; max_total_tokens: the
+# context (prompt + completion + tool output) is full; max_tool_calls: the tool budget is spent;
+# abort: the engine stopped it (a drain timeout, an engine error): not the model's doing, never trained.
+StopReason = Literal["eos", "length", "max_total_tokens", "max_tool_calls", "abort", ""]
+TRUNCATED: tuple[StopReason, ...] = ("length", "max_total_tokens")  # the model was cut off
+
+
 class ToolCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
     code: str
@@ -73,7 +80,7 @@ class Sample(BaseModel):
     policy_version: int = Field(0, ge=0)
     source: Literal["policy", "teacher"] = "policy"
     ref_logprobs: list[float] | None = None
-    stop_reason: str = ""
+    stop_reason: StopReason = ""
     tool_calls: list[ToolCall] = Field(default_factory=list)
     text: str = ""
 

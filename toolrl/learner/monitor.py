@@ -9,7 +9,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from toolrl.protocol import Sample
+from toolrl.protocol import TRUNCATED, Sample
 
 
 def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
@@ -34,7 +34,7 @@ def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
     out["staleness_mean"] = sum(k * v for k, v in stale.items()) / len(policy)
     for k, v in sorted(stale.items()):
         out[f"staleness/{k}"] = v
-    out["stop/length_frac"] = sum(1 for s in policy if s.stop_reason in ("length", "max_total_tokens")) / len(policy)
+    out["stop/length_frac"] = sum(1 for s in policy if s.stop_reason in TRUNCATED) / len(policy)
     return out
 
 

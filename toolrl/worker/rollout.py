@@ -15,7 +15,7 @@ from typing import Protocol
 from toolrl.config import RolloutConfig
 from toolrl.worker.engine import GenOut
 from toolrl.format import extract_program, format_tool_result
-from toolrl.protocol import ToolCall
+from toolrl.protocol import StopReason, ToolCall
 
 TRUNCATION_MARK = "\n...[output truncated]\n"
 
@@ -37,7 +37,7 @@ class Rollout:
     logprobs: list[float | None] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
     segments: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, start, end) in completion
-    stop_reason: str = ""
+    stop_reason: StopReason = ""
     generated: int = 0  # model tokens only
 
     def add(self, kind: str, ids: list[int], logprobs: list[float] | None) -> None:
@@ -111,7 +111,8 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
             out = await gen.generate(r.prompt_ids + r.completion_ids, budget, f"{request_id}.{len(r.segments)}")
             r.add("model", out.token_ids, out.logprobs)
             if out.stop is None:
-                r.stop_reason = {"stop": "eos", "length": "length"}.get(out.finish_reason, out.finish_reason)
+                # vLLM's other finish reasons (abort, error) are the engine's doing, not the model's
+                r.stop_reason = {"stop": "eos", "length": "length"}.get(out.finish_reason, "abort")
                 if r.stop_reason == "length" and r.generated < cfg.max_new_tokens:
                     r.stop_reason = "max_total_tokens"
                 break
