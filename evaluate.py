@@ -35,7 +35,7 @@ def score_main(argv: list[str]) -> None:
         args.config = "configs/cpu_demo.yaml"
     cfg = config_from_args(args)
 
-    from toolrl.tasks.data import DataError
+    from toolrl.tasks import DataError
     from toolrl.worker.evaluate import score_program
 
     try:
@@ -68,14 +68,13 @@ def main() -> None:
         args.config = "configs/cpu_demo.yaml"
     cfg = config_from_args(args)
 
-    from toolrl.tasks.data import DataError
-    from toolrl.worker.evaluate import evaluate, load_task, resolve_eval_model, task_seed
+    from toolrl.tasks import DataError, load_task, task_seed
+    from toolrl.worker.evaluate import evaluate, resolve_eval_model
 
     try:
         ks = sorted({int(k) for k in args.ks.split(",") if k.strip()})
         model = resolve_eval_model(args.model)
-        problems = load_task(args.task, args.n_problems, task_seed(cfg, args.task, args.seed),
-                             cfg.data.level, cfg.data.train_fraction)
+        problems = load_task(args.task, args.n_problems, task_seed(cfg.data, args.task, args.seed), cfg.data)
     except (ValueError, DataError, FileNotFoundError) as exc:
         print(f"evaluate.py: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

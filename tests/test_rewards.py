@@ -91,29 +91,18 @@ def test_code_rewards_read_the_test_results():
     spec = TestSpec("assert", tests=["assert f() == 1", "assert f() == 1", "assert f() == 1"]).to_json()
     cfg = RewardConfig(weights={"tests": 1.0, "correct": 0.5, "code_format": 0.1})
     text = "<think>\nplan\n</think>\n```python\ndef f():\n    return 1\n```\n"
-    c = Completion(text, text, [], TestResult(2, 3, "ok"))
+    c = Completion(text, text, [], TestResult(2, 3, "ok"), grading="tests")
     comps, total = score(c, spec, cfg)
     assert comps == {"tests": pytest.approx(2 / 3), "correct": 0.0, "code_format": 1.0}
     assert total == pytest.approx(2 / 3 + 0.1)
     assert score(c, spec, RewardConfig(weights={"tests": 1.0}, code_mode="all"))[0]["tests"] == 0.0
-    full = Completion(text, text, [], TestResult(3, 3, "ok"))
+    full = Completion(text, text, [], TestResult(3, 3, "ok"), grading="tests")
     assert score(full, spec, cfg)[0]["correct"] == 1.0
     two_blocks = text + "```python\nprint(1)\n```"
-    assert score(Completion(two_blocks, two_blocks, [], TestResult(3, 3, "ok")), spec, cfg)[0]["code_format"] == 0.0
+    assert score(Completion(two_blocks, two_blocks, [], TestResult(3, 3, "ok"), grading="tests"), spec,
+                 cfg)[0]["code_format"] == 0.0
     with pytest.raises(ValueError, match="needs its test results"):
-        score(Completion(text, text), spec, cfg)
+        score(Completion(text, text, grading="tests"), spec, cfg)
     assert score(comp(GOOD), "1234", RewardConfig(weights={"tests": 1.0}))[0]["tests"] == 0.0  # math: no tests
+    assert score(comp(GOOD), spec, RewardConfig(weights={"tests": 1.0}))[0]["tests"] == 0.0  # the grading decides
 
-
-def test_bad_teacher_trace_files_get_one_clear_error(tmp_path):
-    from toolrl.worker.teacher import load_code_traces
-
-    good = tmp_path / "t.jsonl"
-    good.write_text('{"id": "mbpp:1", "code": "x = 1", "thinking": ""}\n\n{"id": "mbpp:1", "code": "x = 2"}\n')
-    assert [r["code"] for r in load_code_traces(str(good))["mbpp:1"]] == ["x = 1", "x = 2"]
-    with pytest.raises(ValueError, match="cannot read"):
-        load_code_traces(str(tmp_path / "missing.jsonl"))
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": "a", "code": "1"}\n{"id": "b"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not a trace row"):
-        load_code_traces(str(bad))

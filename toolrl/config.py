@@ -36,8 +36,10 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    # "arithmetic" is the built-in seeded generator; gsm8k / math / jsonl read a file or a hub dataset.
-    source: Literal["arithmetic", "gsm8k", "math", "jsonl", "code"] = "arithmetic"
+    # A registered task family (toolrl.tasks): "arithmetic" is the built-in seeded generator; gsm8k /
+    # math / jsonl read a file or a hub dataset; code reads code tasks. Checked when a gen worker starts
+    # (tasks read this config, so the config cannot import the registry).
+    source: str = "arithmetic"
     # local file, or a hub dataset id when the network allows. For source=code, the tasks:
     # humaneval, mbpp[:PATH], apps[:PATH][@DIFFICULTY], joined with + (e.g. humaneval+mbpp:m.jsonl)
     path: str | None = None

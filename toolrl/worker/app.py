@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
 from toolrl.config import Config
+from toolrl.tasks import DataError, load_task, task_seed
 from toolrl.worker.producer import GenWorker
 from toolrl.protocol import PayloadTooLarge, WireFormatError
 from toolrl.weightsync.buckets import MAX_WEIGHTS_BYTES
@@ -91,15 +92,11 @@ def build_app(worker: GenWorker) -> FastAPI:
     async def evaluate(req: EvalRequest):
         """Held-out evaluation with the weights loaded now, through this worker's engine (alongside
         its training rollouts). Answers evaluate.py's JSON, plus the policy version evaluated."""
-        from toolrl.tasks.data import DataError
-        from toolrl.worker.evaluate import load_task, task_seed
-
         if any(not 1 <= k <= req.samples for k in req.ks):
             raise HTTPException(status_code=400, detail=f"ks {req.ks}: each k must lie in [1, samples={req.samples}]")
         c = worker.cfg
         try:
-            problems = load_task(req.task, req.n_problems, task_seed(c, req.task, req.seed), c.data.level,
-                                 c.data.train_fraction)
+            problems = load_task(req.task, req.n_problems, task_seed(c.data, req.task, req.seed), c.data)
         except (DataError, FileNotFoundError, ValueError) as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from None
         log.info("evaluating policy version %d on %d problems of %s", worker.version, len(problems), req.task)

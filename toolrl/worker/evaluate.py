@@ -15,7 +15,10 @@ from pathlib import Path
 import httpx
 
 from toolrl.config import Config
-from toolrl.tasks.data import DataError, Problem, arithmetic_problem, load_gsm8k, load_jsonl, load_math
+from toolrl.format import extract_code
+from toolrl.tasks import Problem
+from toolrl.tasks.code.judge import TestSpec, complete_program, run_tests
+from toolrl.tasks.code.loaders import find_task
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -42,42 +45,6 @@ def latest_export(runs_dir: str = "runs") -> str | None:
     return str(exports[-1].parent) if exports else None
 
 
-def load_task(task: str, n: int, seed: int, level: int, train_fraction: float = 0.8) -> list[Problem]:
-    """`arithmetic[:LEVEL]` or `arithmetic:LO-HI` (the levels in turn), `gsm8k:PATH`, `math:PATH`,
-    `jsonl:PATH` (question/answer fields), or `code:TASKS` (the held-out split of code tasks, e.g.
-    code:humaneval; seed = the training data.seed)."""
-    kind, _, arg = task.partition(":")
-    if kind == "arithmetic":
-        lo, _, hi = arg.partition("-")
-        try:
-            levels = range(int(lo), int(hi or lo) + 1) if lo else [level]
-        except ValueError:
-            raise DataError(f"task {task!r}: use arithmetic, arithmetic:LEVEL or arithmetic:LO-HI") from None
-        if not levels:
-            raise DataError(f"task {task!r}: empty level range")
-        # problem i of level L is the same whatever n is, so a smaller eval is a prefix of a larger one
-        return [arithmetic_problem(seed, levels[i % len(levels)], i // len(levels)) for i in range(n)]
-    if kind == "code":  # the held-out side of data.source=code's seeded split
-        from toolrl.tasks.code.loaders import load_code_task, split
-
-        _, held = split(load_code_task(arg or "humaneval"), seed, train_fraction)
-        return held[:n]
-    if not arg:
-        raise DataError(f"task {task!r} needs a file or hub id: {kind}:PATH")
-    loaders = {"gsm8k": load_gsm8k, "math": load_math, "jsonl": load_jsonl}
-    if kind not in loaders:
-        raise DataError(f"unknown task {task!r}; use arithmetic[:LEVEL], gsm8k:PATH, math:PATH or jsonl:PATH")
-    return loaders[kind](arg)[:n]
-
-
-def task_seed(cfg: Config, task: str, seed: int | None = None) -> int:
-    """Generated tasks draw held-out problems from data.eval_seed; code tasks take the held-out side
-    of the split the training run made with data.seed."""
-    if seed is not None:
-        return seed
-    return cfg.data.seed if task.startswith("code") else cfg.data.eval_seed
-
-
 @contextlib.contextmanager
 def executor_available(cfg: Config, log=print):
     """Use the configured executor; if nothing answers there, run a private one for the duration."""
@@ -97,9 +64,6 @@ def executor_available(cfg: Config, log=print):
 def score_program(cfg: Config, task_id: str, text: str, mode: str = "fraction", log=print) -> dict:
     """`evaluate.py score`: run one program (a file's text, or a completion with a code fence)
     against one task's tests in the executor service."""
-    from toolrl.tasks.code.loaders import find_task
-    from toolrl.format import extract_code
-    from toolrl.tasks.code.judge import TestSpec, complete_program, run_tests
     from toolrl.executor.client import ExecutorClient
 
     problem = find_task(task_id)
@@ -120,9 +84,7 @@ def summarize(problems: list[Problem], groups: dict[str, list], ks: list[int]) -
         answer = p.answer if len(p.answer) < 200 else p.answer[:200] + "…"  # code tasks: tests, cut
         per_problem.append({"id": p.id, "answer": answer, "n": len(g),
                             "correct": int(sum(s.rewards.get("correct", 0.0) >= 1.0 for s in g))})
-    from toolrl.tasks.code.judge import is_spec
-
-    fmt = "code_format" if problems and all(is_spec(p.answer) for p in problems) else "format"
+    fmt = "code_format" if problems and all(p.grading == "tests" for p in problems) else "format"
     pak = {}
     for k in ks:
         vals = [pass_at_k(r["n"], r["correct"], k) for r in per_problem if r["n"] >= k]

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolrl.grpo import group_advantages, zero_variance
-from toolrl.tasks.code.judge import TestSpec, arun_tests, is_spec, program_in
+from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
 from toolrl.config import Config
-from toolrl.tasks.data import Problem, arithmetic_problem, arithmetic_stream, load_problems
+from toolrl.tasks import Problem, get_task, problem_stream
 from toolrl.net import wait_for
 from toolrl.worker.engine import VllmEngine
 from toolrl.models import load_tokenizer, resolve_model
@@ -38,7 +38,7 @@ from toolrl.prompts import load_chat_prompt
 from toolrl.protocol import Sample, sample_record
 from toolrl.worker.rewards import Completion, check_names, score, weights_at
 from toolrl.worker.rollout import ExecutorTool, Rollout, pending_program, run_rollout
-from toolrl.worker.teacher import code_teacher_sample, load_code_traces, teacher_sample
+from toolrl.worker.teacher import teacher_sample
 
 log = logging.getLogger("gen_worker")
 
@@ -80,27 +80,6 @@ def prompt_ids(tokenizer, chat_prompt, question: str, prefill: str = "") -> list
     return ids + (tokenizer.encode(prefill, add_special_tokens=False) if prefill else [])
 
 
-def problem_source(cfg: Config, worker_id: str, level: int | None = None):
-    """An endless, seeded problem stream, different for each worker."""
-    offset = zlib.crc32(worker_id.encode()) % 100_000
-    if cfg.data.source == "arithmetic":
-        seed, level = cfg.data.seed * 100_003 + offset, level or cfg.data.level
-        if cfg.data.mix_levels:
-            return (arithmetic_problem(seed, i % level + 1, i // level) for i in itertools.count())
-        return arithmetic_stream(seed=seed, level=level)
-    problems = load_problems(cfg.data)
-    import random
-
-    rng = random.Random(cfg.data.seed + offset)
-
-    def cycle():
-        while True:
-            order = list(problems)
-            rng.shuffle(order)
-            yield from order
-    return cycle()
-
-
 class GenWorker:
     def __init__(self, cfg: Config, worker_id: str | None = None, public_url: str | None = None,
                  engine: VllmEngine | None = None):
@@ -108,6 +87,7 @@ class GenWorker:
         self.worker_id = worker_id or cfg.rollout.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.public_url = public_url or cfg.rollout.public_url or f"http://{cfg.rollout.host}:{cfg.rollout.port}"
         check_names(weights_at(cfg.rewards, 0))
+        self.task = get_task(cfg.data.source)  # an unknown data.source fails here, before the engine starts
         model_path = resolve_model(cfg.model.name)
         self.tokenizer = load_tokenizer(cfg.model.name)
         # data.seed moves every random choice of a run (problems, sampling, teacher wording), so runs
@@ -123,10 +103,10 @@ class GenWorker:
         self.chat_prompt = load_chat_prompt(cfg.prompt.system)
         self.pending_code = pending_program(cfg.prompt.prefill, cfg.rollout.stop_marker)
         self.level = cfg.data.level
-        self.problems = problem_source(cfg, self.worker_id)
+        self.problems = problem_stream(cfg.data, self.worker_id)
         self._recent_acc: collections.deque = collections.deque(maxlen=cfg.data.promote_window)
         self._teacher_rng = random.Random(own_seed)
-        self._code_traces = load_code_traces(cfg.teacher.traces_path)
+        self._teacher = self.task.teacher(cfg.teacher)
         self.version = 0
         self.weights_ok = True  # False after a load failed part-way: the weights are a mix
         self.update_phase: str | None = None  # "draining" | "loading" while an update is under way
@@ -168,14 +148,10 @@ class GenWorker:
             return None
         group = await asyncio.to_thread(self._score_group, problem, rolls, gid, version, tests)
         self._curriculum(group)
-        for k in range(self.cfg.teacher.traces_per_group):
-            if tests is not None:
-                t = code_teacher_sample(problem, prompt, self.tokenizer, self._code_traces, self._teacher_rng,
-                                        f"{gid}:teacher{k}", version, self.cfg.prompt.prefill)
-            else:
-                t = await teacher_sample(problem, prompt, self.tokenizer, self.tool,
-                                         self.cfg.rollout.max_tool_output_tokens, self._teacher_rng,
-                                         f"{gid}:teacher{k}", version)
+        for k in range(self.cfg.teacher.traces_per_group if self._teacher else 0):
+            t = await teacher_sample(self._teacher(problem, self._teacher_rng), prompt, self.tokenizer, self.tool,
+                                     self.cfg.rollout.max_tool_output_tokens, f"{gid}:teacher{k}", version,
+                                     self.cfg.prompt.prefill)
             if t is not None:
                 group.append(t)
                 self.stats.teacher_traces += 1
@@ -200,23 +176,23 @@ class GenWorker:
                                                   f"{gid}.{i}", self.pending_code) for i in range(n)])
 
     def _curriculum(self, group: list[Sample]) -> None:
-        """Arithmetic only: move to the next level when recent accuracy passes the threshold."""
+        """Tasks with a curriculum (arithmetic): move to the next level when recent accuracy passes the threshold."""
         d = self.cfg.data
-        if d.source != "arithmetic":
+        if not self.task.curriculum:
             return
         self._recent_acc.append(sum(s.rewards.get("correct", 0.0) for s in group) / len(group))
         full = len(self._recent_acc) == self._recent_acc.maxlen
         if full and self.level < d.max_level and sum(self._recent_acc) / len(self._recent_acc) >= d.promote_at_accuracy:
             self.level += 1
             self._recent_acc.clear()
-            self.problems = problem_source(self.cfg, self.worker_id, self.level)
+            self.problems = problem_stream(d, self.worker_id, self.level)
             log.info("curriculum: accuracy passed %.2f, moving to level %d", d.promote_at_accuracy, self.level)
 
     async def _run_tests(self, problem: Problem, rolls: list[Rollout]):
         """Code tasks: every rollout's program against the task's tests, one executor batch per
         group. None for other tasks; False when the executor could not score them (the group is
         dropped: a reward of 0 for an unscored program would be a wrong training signal)."""
-        if not is_spec(problem.answer):
+        if problem.grading != "tests":
             return None
         from toolrl.executor.client import ExecutorError
 
@@ -250,7 +226,7 @@ class GenWorker:
         samples = []
         for i, r in enumerate(rolls):
             text, final = r.texts(self.tokenizer, self.cfg.prompt.prefill)
-            c = Completion(text, final, r.tool_calls, tests[i] if tests else None)
+            c = Completion(text, final, r.tool_calls, tests[i] if tests else None, problem.grading)
             rewards, total = score(c, problem.answer, self.cfg.rewards, version)
             samples.append(Sample(prompt_ids=r.prompt_ids, completion_ids=r.completion_ids, loss_mask=r.loss_mask,
                                   logprobs=r.logprobs, rewards=rewards, reward=total, group_id=gid,

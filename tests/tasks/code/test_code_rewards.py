@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from toolrl.tasks.code.loaders import load_apps, load_code_task, load_humaneval, load_mbpp, program_for, split
-from toolrl.tasks.data import DataError
-from toolrl.format import extract_code
-from toolrl.tasks.code.judge import TestSpec, judge, new_nonce, run_tests
 from toolrl.executor.client import ExecutorClient
 from toolrl.executor.local import LocalExecutor
+from toolrl.format import extract_code
+from toolrl.tasks import DataError
+from toolrl.tasks.code.judge import TestSpec, judge, new_nonce, run_tests
+from toolrl.tasks.code.loaders import load_apps, load_code_task, load_humaneval, load_mbpp, program_for, split
 
 pytestmark = pytest.mark.timeout(300)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 ADD = TestSpec("assert", tests=["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"])
 GOOD = "def add(a, b):\n    return a + b\n"
@@ -152,12 +152,12 @@ def test_spec_round_trip_and_errors():
 # ---------------------------------------------------------------------------------------------
 # Tasks: loaders, split, and the reference solutions through the same harness
 
-FIX = Path(__file__).parent / "fixtures"
+FIX = ROOT / "tests" / "fixtures"
 
 
 def test_every_humaneval_reference_passes_all_its_tests_and_a_wrong_program_none(client):
     problems = load_humaneval()
-    assert len(problems) == 164
+    assert len(problems) == 164 and {p.grading for p in problems} == {"tests"}
     specs = [TestSpec.from_json(p.answer) for p in problems]
     assert sum(s.total for s in specs) > 1000  # split into per-assert tests for partial credit
     res = run_tests(client, [p.program for p in problems], specs, per_test_timeout_s=3.0, max_timeout_s=20)
@@ -174,6 +174,7 @@ def test_mbpp_and_apps_local_files_in_their_own_formats(client):
     apps = load_apps(str(FIX / "apps_sample.jsonl"))
     assert [p.id for p in apps] == ["apps:4000", "apps:4001"]  # the row without tests is skipped
     assert [TestSpec.from_json(p.answer).kind for p in apps] == ["stdio", "call"]
+    assert {p.grading for p in mbpp + apps} == {"tests"}  # what tells the worker to run tests
     assert [p.id for p in load_apps(str(FIX / "apps_sample.jsonl"), difficulty="interview")] == ["apps:4001"]
     with pytest.raises(DataError, match="difficulty"):
         load_apps(str(FIX / "apps_sample.jsonl"), difficulty="hard")

@@ -4,17 +4,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from procs import ROOT, Proc, free_port  # tests/ is on sys.path (tests/conftest.py)
 
-sys.path.insert(0, str(Path(__file__).parent))
-from procs import ROOT, Proc, free_port  # noqa: E402
-from toolrl.tasks.code.loaders import load_mbpp  # noqa: E402
-from toolrl.tasks.code.judge import TestSpec, run_tests  # noqa: E402
-from toolrl.models import resolve_model  # noqa: E402
-from toolrl.executor.client import ExecutorClient  # noqa: E402
-from toolrl.executor.local import LocalExecutor  # noqa: E402
+from toolrl.executor.client import ExecutorClient
+from toolrl.executor.local import LocalExecutor
+from toolrl.models import resolve_model
+from toolrl.tasks.code.judge import TestSpec, run_tests
+from toolrl.tasks.code.loaders import load_mbpp
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 TASKS = ROOT / "tests" / "fixtures" / "mbpp_trivial.jsonl"

@@ -1,0 +1,53 @@
+"""The code-test harness as a module: what goes to the executor is its function's source alone, which
+needs nothing from its module, and run as a plain process it reports what the judge reads back
+(the sandboxed runs and the attacks: test_code_rewards.py)."""
+import inspect
+import subprocess
+import sys
+
+import pytest
+
+from toolrl.tasks.code import harness
+from toolrl.tasks.code.judge import HARNESS, TestSpec, build_harness, judge, new_nonce
+
+
+def test_the_harness_sent_is_the_functions_source_and_needs_nothing_from_its_module():
+    assert HARNESS == "\n" + inspect.getsource(harness._toolrl_harness)
+    # self-contained: no toolrl inside, and the runs below are `python -c` of this source alone
+    assert "toolrl" not in HARNESS.replace("_toolrl_harness", "")
+    code = build_harness("x = 1", TestSpec("assert", tests=["assert x == 1"]), 1.0)
+    assert code.startswith(HARNESS) and code.endswith("\n_toolrl_harness('x = 1', " + repr(
+        {"kind": "assert", "per_test_timeout_s": 1.0, "tests": ["assert x == 1"], "setup": "",
+         "entry_point": None}) + ")\n")
+
+
+def run_plain(program: str, spec: TestSpec):
+    """The harness in a plain interpreter (no sandbox), judged as the executor's output would be."""
+    nonce = new_nonce()
+    p = subprocess.run([sys.executable, "-c", build_harness(program, spec, 2.0)], input=nonce + "\n",
+                       capture_output=True, text=True, timeout=60)
+    return judge(p.stdout, "ok", nonce, spec)
+
+
+ADD = TestSpec("assert", tests=["assert add(1, 2) == 3", "assert add(2, 2) == 4"])
+
+
+@pytest.mark.parametrize("program, spec, passed", [
+    ("def add(a, b):\n    return a + b\n", ADD, 2),
+    ("def add(a, b):\n    return 3\n", ADD, 1),
+    ("def f(xs):\n    return sum(xs)\n", TestSpec("assert", tests=["assert candidate([1]) == 1"], entry_point="f"), 1),
+    ("import sys\nsys.exit(0)\n", TestSpec("assert", tests=["assert True"]), 0),
+    ("print(input() + '!')\n", TestSpec("stdio", inputs=["a\n", "b\n"], outputs=["a!", "c!"]), 1),
+    ("for i in range(int(input())):\n    print(i)\n",  # over 200 characters: reported as a hash
+     TestSpec("stdio", inputs=["300\n"], outputs=["\n".join(map(str, range(300)))]), 1),
+    ("def twice(x):\n    return x * 2\n",
+     TestSpec("call", fn_name="twice", inputs=[[2], [[1]]], outputs=[[4], [[1, 1]]]), 2),
+])
+def test_the_harness_reports_what_the_judge_reads(program, spec, passed):
+    res = run_plain(program, spec)
+    assert (res.passed, res.total) == (passed, spec.total)
+
+
+def test_the_program_cannot_read_the_nonce_from_stdin():
+    prog = "import sys\ndata = sys.stdin.read()\ndef f():\n    return data\n"
+    assert run_plain(prog, TestSpec("call", fn_name="f", inputs=[[]], outputs=[""])).passed == 1  # stdin was empty
