@@ -157,6 +157,21 @@ def resolve_model(name: str) -> str:
                             "a local directory or a hub id (org/name)")
 
 
+def resolve_run_model(model: str) -> str:
+    """A run directory means its latest export; anything else goes to the model layer as is."""
+    p = Path(model).expanduser()
+    if p.is_dir() and not (p / "config.json").is_file():
+        if (p / "export" / "config.json").is_file():
+            return str(p / "export")
+        raise FileNotFoundError(f"{p} is neither a model directory nor a run directory with an export/")
+    return model
+
+
+def latest_export(runs_dir: str = "runs") -> str | None:
+    exports = sorted(Path(runs_dir).glob("*/export/config.json"), key=lambda f: f.stat().st_mtime)
+    return str(exports[-1].parent) if exports else None
+
+
 def weights_digest(path: str | Path) -> str:
     """A digest of a model directory's safetensors files (to check deterministic builds)."""
     h = hashlib.sha256()

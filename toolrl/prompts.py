@@ -33,6 +33,13 @@ class ChatPrompt:
             msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
         return msgs + [{"role": "user", "content": question}]
 
+    def ids(self, tokenizer, question: str, prefill: str = "") -> list[int]:
+        """The chat template with the generation prompt, then the prefill, as token ids: the prompt of
+        every rollout, kept as ids from here on (nothing is re-tokenised between turns)."""
+        ids = tokenizer.apply_chat_template(self.messages(question), add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return ids + (tokenizer.encode(prefill, add_special_tokens=False) if prefill else [])
+
 
 def available() -> list[str]:
     return sorted(p.stem for p in PROMPTS_DIR.glob("*.txt"))

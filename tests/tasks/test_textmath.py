@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 
 from toolrl.config import DataConfig
-from toolrl.format import extract_program, last_boxed
 from toolrl.tasks import DataError, load_problems
 from toolrl.tasks.textmath import gsm8k_answer, load_gsm8k, load_jsonl, load_math
 
@@ -50,36 +49,6 @@ def test_hub_path_fails_clearly_offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(DataError, match="could not load hub dataset 'openai/gsm8k:main'"):
         load_gsm8k("openai/gsm8k:main")
-
-
-@pytest.mark.parametrize("text, want", [
-    (r"so \boxed{42}.", "42"),
-    (r"\boxed{1} then \boxed{\frac{a}{b}}", r"\frac{a}{b}"),
-    (r"\boxed{\{1,2\}}", r"\{1,2\}"),
-    (r"\boxed{unclosed", None),
-    ("nothing", None),
-])
-def test_last_boxed(text, want):
-    assert last_boxed(text) == want
-
-
-M = "The result of executing this Python code is:"
-
-
-@pytest.mark.parametrize("segment,want", [
-    ("<program>\n```python\nx = 1\nprint(x)\n```\n</program>\n" + M, "x = 1\nprint(x)"),
-    ("```python\na = 1\n```\nthen\n```python\nb = 2\n```\n" + M, "b = 2"),  # the last block
-    ("```python\na = 1\n```\n```bash\nls\n```\n" + M, "a = 1"),  # python wins over a later other fence
-    ("```\nprint(3)\n```\n" + M, "print(3)"),  # a bare fence
-    ("<program>\nprint(4)\n</program>\n" + M, "print(4)"),  # bare code in <program> tags
-    ("<program>\n```python\nprint(5)\n" + M, "print(5)"),  # an unclosed fence runs to the marker
-    ("```python\nprint(6)\n```\n" + M + "\n```output\n6\n```\n", "print(6)"),  # after the marker: ignored
-    ("```output\n7\n```\n" + M, None),  # an output fence is not a program
-    ("I will just think.\n" + M, None),
-    ("<program>\n</program>\n" + M, None),
-])
-def test_extract_program(segment, want):
-    assert extract_program(segment, M) == want
 
 
 def test_training_problems_come_from_data_path():

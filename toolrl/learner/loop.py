@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 
 from toolrl.config import Config
-from toolrl.learner.monitor import Monitor, batch_stats
+from toolrl.learner.monitor import Monitor
 from toolrl.learner.trainer import Trainer, out_of_time
+from toolrl.metrics import batch_stats
 from toolrl.models import resolve_dtype, resolve_model
 from toolrl.protocol import sample_record
 from toolrl.refserver.client import RefServerClient
 from toolrl.weightsync.pusher import WeightSync
-from toolrl.worker.evaluate import evaluate_on_worker
+from toolrl.worker.client import evaluate_on_worker
 
 log = logging.getLogger("learner")
 

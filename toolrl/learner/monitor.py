@@ -1,41 +1,12 @@
 """Run monitoring: WandB (offline unless configured) and TensorBoard, written by rank 0 only,
-plus one console line per step. Also the per-batch statistics the learner logs."""
+plus one console line per step."""
 from __future__ import annotations
 
 import json
 import math
 import os
-import statistics
-from collections import Counter
 from pathlib import Path
 
-from toolrl.protocol import TRUNCATED, Sample
-
-
-def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
-    """Reward per component, accuracy, lengths, tool use and staleness of one training batch."""
-    policy = [s for s in samples if s.source == "policy"] or samples
-    out: dict[str, float] = {"samples": len(samples)}
-    comps = sorted({k for s in policy for k in s.rewards})
-    for k in comps:
-        vals = [s.rewards.get(k, 0.0) for s in policy]
-        out[f"reward/{k}_mean"] = statistics.fmean(vals)
-        out[f"reward/{k}_std"] = statistics.pstdev(vals)
-    totals = [s.reward for s in policy]
-    out["reward/total_mean"] = statistics.fmean(totals)
-    out["reward/total_std"] = statistics.pstdev(totals)
-    out["accuracy"] = statistics.fmean([s.rewards.get("correct", 0.0) for s in policy])
-    out["response_len"] = statistics.fmean([sum(s.loss_mask) for s in policy])
-    out["completion_len"] = statistics.fmean([len(s.completion_ids) for s in policy])
-    calls = [t for s in policy for t in s.tool_calls]
-    out["tool_calls_per_sample"] = len(calls) / len(policy)
-    out["tool_error_rate"] = sum(1 for t in calls if t.status != "ok") / len(calls) if calls else 0.0
-    stale = Counter(version - s.policy_version for s in policy)
-    out["staleness_mean"] = sum(k * v for k, v in stale.items()) / len(policy)
-    for k, v in sorted(stale.items()):
-        out[f"staleness/{k}"] = v
-    out["stop/length_frac"] = sum(1 for s in policy if s.stop_reason in TRUNCATED) / len(policy)
-    return out
 
 
 class Monitor:

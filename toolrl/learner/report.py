@@ -115,7 +115,7 @@ def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
         with RefServerClient(cfg.ref_server.url, token=cfg.ref_server.token, timeout_s=10) as ref:
             workers = ref.workers()
     except Exception as exc:
-        print(f"[runinfo] could not list workers: {exc}")
+        print(f"[report] could not list workers: {exc}")
     export = run_dir / "export"
     if workers and (export / "config.json").is_file():
         workers = probe_workers(cfg, workers, export)

@@ -29,8 +29,8 @@ class WeightGate:
     """`engine` needs load_buckets, load_broadcast, join_group and abort_all (toolrl.worker.engine)."""
 
     def __init__(self, engine, assembler: WeightAssembler, drain_timeout_s: float, sync_timeout_s: float,
-                 on_loaded: Callable[[int, float], None] = lambda version, reload_s: None):
-        self.engine, self.assembler = engine, assembler
+                 on_loaded: Callable[[int, float], None] = lambda version, reload_s: None, name: str = ""):
+        self.engine, self.assembler, self.name = engine, assembler, name
         self.drain_timeout_s, self.sync_timeout_s = drain_timeout_s, sync_timeout_s
         self.on_loaded = on_loaded
         self.version = 0
@@ -139,7 +139,8 @@ class WeightGate:
                 self.version, self.weights_ok = version, True
                 self.on_loaded(version, reload_s)
                 log.info("loaded policy version %d (drain %.2fs, load %.2fs)", version, drain_s, reload_s)
-                return {"version": version, "loaded": True, "drain_s": drain_s, "reload_s": reload_s}
+                return {"version": version, "loaded": True, "drain_s": drain_s, "reload_s": reload_s,
+                        "worker_id": self.name}
             except BaseException as exc:
                 if loading:
                     log.error("loading version %d failed part-way (%s); no rollouts until a whole update loads",

@@ -30,21 +30,18 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config_from_args(args)
     setup_logging("gen_worker")
 
-    if args.rollout_only:
-        from toolrl.worker.producer import GenWorker, rollout_only
+    from toolrl.worker.service import GenWorker, rollout_only, run_service  # after parsing: --help stays fast
 
+    if args.rollout_only:
         async def run():
             worker = GenWorker(cfg, worker_id=args.worker_id or "rollout-only")
             try:
                 return await rollout_only(worker, args.num_prompts, args.out)
             finally:
-                await worker.executor.aclose()
-                worker.close()
+                await worker.aclose()
 
         print(json.dumps(asyncio.run(run())))
         return
-
-    from toolrl.worker.app import run_service
 
     host = args.host or cfg.rollout.host
     port = args.port or cfg.rollout.port

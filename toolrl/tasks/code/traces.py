@@ -29,7 +29,7 @@ from toolrl.prompts import load_chat_prompt
 from toolrl.tasks.base import Problem
 from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
 from toolrl.tasks.code.loaders import load_code_task, split
-from toolrl.worker.evaluate import executor_available
+from toolrl.executor.local import executor_available
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.S)
 

@@ -2,21 +2,19 @@
 real executor service (vLLM itself is exercised in test_gen_worker.py)."""
 import asyncio
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from procs import Proc, free_port  # noqa: E402
-
-from toolrl.config import RolloutConfig  # noqa: E402
-from toolrl.tasks.data import arithmetic_problems  # noqa: E402
-from toolrl.worker.engine import GenOut  # noqa: E402
-from toolrl.models import load_tokenizer  # noqa: E402
-from toolrl.prompts import STOP_MARKER, format_tool_result  # noqa: E402
-from toolrl.worker.rollout import TRUNCATION_MARK, ExecutorTool, run_rollout, tool_segment_ids  # noqa: E402
-from toolrl.worker.teacher import teacher_sample  # noqa: E402
+from procs import Proc, free_port  # tests/ is on sys.path (conftest)
+from toolrl.config import RolloutConfig
+from toolrl.format import STOP_MARKER, format_tool_result
+from toolrl.models import load_tokenizer
+from toolrl.tasks.arithmetic import arithmetic_problems, teacher_trace
+from toolrl.worker.engine import GenOut
+from toolrl.worker.rollout import TRUNCATION_MARK, ExecutorTool, run_rollout, tool_segment_ids
+from toolrl.worker.service import GenWorker
+from toolrl.worker.teacher import teacher_sample
 
 TOK = load_tokenizer("smollm2-135m-instruct")
 
@@ -90,7 +88,6 @@ class ByProblem:
 
 def demo_worker(tool, engine, *sets):
     from toolrl.config import load_config
-    from toolrl.worker.producer import GenWorker
 
     cfg = load_config("configs/cpu_demo.yaml", [f"executor.url={tool().client.url}", *sets])
     return GenWorker(cfg, worker_id="t", engine=engine)
@@ -102,11 +99,11 @@ def run_worker(worker, coro_fn):
         try:
             return await coro_fn()
         finally:
-            await worker.executor.aclose()
+            await worker.agent.executor.aclose()
     try:
         return asyncio.run(go())
     finally:
-        worker.assembler.close()
+        worker.gate.assembler.close()
 
 
 def test_segments_masks_and_resume_by_token_ids(tool):
@@ -179,7 +176,7 @@ def test_prefill_program_runs_first(tool):
 def test_teacher_traces_have_the_rollout_layout(tool):
     rng = random.Random(0)
     for p in arithmetic_problems(6, seed=4, level=3):
-        s = asyncio.run(teacher_sample(p, [1, 2], TOK, tool(), 128, rng, "g:teacher0", 5))
+        s = asyncio.run(teacher_sample(teacher_trace(p, rng), [1, 2], TOK, tool(), 128, "g:teacher0", 5))
         assert s is not None and s.source == "teacher" and s.policy_version == 5
         assert s.tool_calls[0].output.strip() == p.answer  # the executor's output, not string formatting
         zeros = [i for i, m in enumerate(s.loss_mask) if m == 0]
@@ -194,21 +191,13 @@ def test_teacher_traces_have_the_rollout_layout(tool):
         assert f"{a} times {b}, minus {c}" in head.split("<program>")[0]  # the plan names the operation
 
 
-def test_expression_in_words():
-    from toolrl.worker.teacher import expression_in_words
-
-    assert expression_in_words("148 * 36 - 2915") == "148 times 36, minus 2915"
-    assert expression_in_words("(2 * 3 + 4 * 5) * 6 - 7") == "(2 times 3, plus 4 times 5) times 6, minus 7"
-
-
 def test_a_code_group_is_scored_by_its_tests_with_a_teacher_trace(tool, tmp_path):
     """GenWorker on a code task (scripted engine, real executor): the tests reward is the fraction
     of tests passed, correct is all-or-nothing, and the teacher trace is the reference solution."""
     from toolrl.config import load_config
-    from toolrl.worker.producer import GenWorker
 
     url = tool().client.url
-    fixture = Path(__file__).parent / "fixtures" / "mbpp_sample.jsonl"
+    fixture = Path(__file__).parent.parent / "fixtures" / "mbpp_sample.jsonl"
     cfg = load_config("configs/cpu_code.yaml", [f"executor.url={url}", f"data.path=mbpp:{fixture}",
                                                 "data.train_fraction=1.0", "rollout.group_size=3",
                                                 "teacher.traces_per_group=1"])
@@ -218,13 +207,13 @@ def test_a_code_group_is_scored_by_its_tests_with_a_teacher_trace(tool, tmp_path
     script = Script([(f"Perimeter is four sides.\n</think>\n```python\n{answers[k]}\n```", None) if k != "none"
                      else (answers[k], None) for k in answers])
     worker = GenWorker(cfg, worker_id="t", engine=script)
-    problem = next(p for p in worker.problems if p.id == "mbpp:17")
+    problem = next(p for p in worker.producer.problems if p.id == "mbpp:17")
 
     async def one_group():
         try:
-            return await worker.rollout_group(problem)
+            return await worker.producer.rollout_group(problem)
         finally:
-            await worker.executor.aclose()
+            await worker.agent.executor.aclose()
     group = asyncio.run(one_group())
     model, teacher = group[:3], group[3]
     assert [s.rewards["tests"] for s in model] == pytest.approx([1.0, 1 / 3, 0.0])
@@ -235,7 +224,7 @@ def test_a_code_group_is_scored_by_its_tests_with_a_teacher_trace(tool, tmp_path
 
 
 def test_evaluate_scores_the_policy_alone_and_leaves_training_state_alone(tool):
-    """GenWorker.evaluate (what `POST /evaluate` and evaluate.py run): per-problem correctness and
+    """Agent.evaluate (what `POST /evaluate` and evaluate.py run): per-problem correctness and
     unbiased pass@k, tool use counted, no teacher traces although the config adds them in
     training, and neither the training statistics nor the curriculum move."""
     problems = arithmetic_problems(3, seed=11, level=1)
@@ -253,14 +242,14 @@ def test_evaluate_scores_the_policy_alone_and_leaves_training_state_alone(tool):
     worker = demo_worker(tool, ByProblem(problems, answer), "data.level=1", "data.max_level=3",
                          "data.promote_window=1")
     assert worker.cfg.teacher.traces_per_group >= 1  # training adds them; the evaluation must not
-    res = run_worker(worker, lambda: worker.evaluate(problems, samples=2, ks=[1, 2], concurrency=2))
+    res = run_worker(worker, lambda: worker.agent.evaluate(problems, samples=2, ks=[1, 2], concurrency=2))
     assert [(r["id"], r["n"], r["correct"]) for r in res["per_problem"]] == [
         (problems[0].id, 2, 2), (problems[1].id, 2, 1), (problems[2].id, 2, 0)]
     assert res["n_samples"] == 6 and res["accuracy"] == pytest.approx(3 / 6)
     assert res["pass_at_k"] == {"1": pytest.approx(0.5), "2": pytest.approx(2 / 3)}
     assert res["tool_calls_per_answer"] == pytest.approx(2 / 6) and res["tool_error_rate"] == 0.0
     assert res["policy_version"] == 0 and res["aborted_samples"] == 0
-    assert worker.stats.samples == 0 and worker.stats.teacher_traces == 0 and worker.level == 1
+    assert worker.stats.samples == 0 and worker.stats.teacher_traces == 0 and worker.producer.level == 1
 
 
 def test_curriculum_promotes_on_accuracy_and_mix_levels_keeps_reviewing():
@@ -269,13 +258,12 @@ def test_curriculum_promotes_on_accuracy_and_mix_levels_keeps_reviewing():
     from types import SimpleNamespace
 
     from toolrl.config import load_config
-    from toolrl.worker.producer import GenWorker
 
     def worker(*sets):
         cfg = load_config("configs/cpu_demo.yaml", ["data.promote_window=2", "data.promote_at_accuracy=0.5",
                                                     "data.max_level=3", *sets])
         made.append(GenWorker(cfg, worker_id="t", engine=object()))
-        return made[-1]
+        return made[-1].producer
 
     made = []
 
@@ -303,7 +291,7 @@ def test_curriculum_promotes_on_accuracy_and_mix_levels_keeps_reviewing():
     assert w.level == 3  # max_level: no further
     assert levels(worker("data.level=3", "data.mix_levels=true"), 6) == [1, 2, 3, 1, 2, 3]
     for w in made:
-        w.assembler.close()
+        w.gate.assembler.close()
 
 
 def test_a_tool_output_that_does_not_fit_ends_the_sample_without_the_call(tool):
@@ -331,10 +319,10 @@ def test_zero_variance_groups_are_dropped_or_kept_and_counted(tool, drop):
 
     worker = demo_worker(tool, ByProblem(problems, answer), "teacher.traces_per_group=0", "rollout.group_size=3",
                          "rollout.prompts_per_step=1", f"grpo.drop_zero_std_groups={drop}")
-    worker.problems = iter(problems)
+    worker.producer.problems = iter(problems)
 
     async def produce():
-        return [g async for g in worker.produce(n_groups=2)]
+        return [g async for g in worker.producer.produce(n_groups=2)]
     groups = run_worker(worker, produce)
     kept = [problems[1].id] if drop else [problems[0].id, problems[1].id]
     assert [g[0].group_id.split(":")[1] for g in groups] == kept
@@ -361,17 +349,17 @@ def test_in_flight_rollouts_finish_on_their_version_and_new_ones_wait_for_the_up
                          "rollout.drain_timeout_s=60")
 
     async def load():
-        events.append(("load", worker._inflight))
+        events.append(("load", worker.gate.inflight))
         return 0.0
 
     async def go():
-        first = asyncio.create_task(worker.rollout_group(problems[0]))
+        first = asyncio.create_task(worker.producer.rollout_group(problems[0]))
         await asyncio.sleep(0.3)
-        update = asyncio.create_task(worker._swap_weights(1, load))
+        update = asyncio.create_task(worker.gate.swap(1, load))
         await asyncio.sleep(0.3)
-        second = asyncio.create_task(worker.rollout_group(problems[1]))  # starts while the update drains
+        second = asyncio.create_task(worker.producer.rollout_group(problems[1]))  # starts while the update drains
         await asyncio.sleep(0.3)
-        assert worker.update_phase == "draining" and not update.done()
+        assert worker.gate.phase == "draining" and not update.done()
         assert [e for e in events if e[0] == "generate"] == [("generate", 0, 0)] * 2  # problem 1 held back
         release.set()
         return await asyncio.gather(first, update, second)
@@ -404,10 +392,10 @@ def test_a_slow_tool_call_holds_back_only_its_own_sample(tool):
 
     engine = ByProblem(problems, answer)
     worker = demo_worker(tool, engine, "rollout.group_size=3")
-    worker.tool = OneSlowTool()
+    worker.agent.tool = OneSlowTool()
 
     async def go():
-        task = asyncio.create_task(worker._rollouts(worker.prompt_ids(problems[0].question), "g", 3))
+        task = asyncio.create_task(worker.agent.rollouts(worker.agent.prompt_ids(problems[0].question), "g", 3))
         for _ in range(200):  # up to 20 s for the other two samples to run their programs and finish
             if {"g.1.2", "g.2.2"} <= set(engine.requests):
                 break

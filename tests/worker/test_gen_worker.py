@@ -1,20 +1,17 @@
 """The gen worker for real: vLLM on CPU, SmolLM2, the executor service and the reference server."""
 import asyncio
 import json
-import sys
-from pathlib import Path
 import time
 
 import httpx
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from procs import Proc, free_port  # noqa: E402
+from procs import Proc, free_port  # tests/ is on sys.path (conftest)
 from toolrl.config import load_config
 from toolrl.logprobs import sample_logprobs
 from toolrl.models import load_hf_model, load_tokenizer
-from toolrl.prompts import format_tool_result
+from toolrl.format import format_tool_result
 from toolrl.protocol import CONTENT_TYPE
 from toolrl.weightsync.buckets import encode_weight_bucket
 

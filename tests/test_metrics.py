@@ -1,0 +1,55 @@
+"""The figures the system reports: unbiased pass@k, an evaluation's rates by level, batch statistics."""
+import itertools
+
+import pytest
+
+from toolrl.config import DataConfig
+from toolrl.metrics import batch_stats, pass_at_k, summarize
+from toolrl.protocol import Sample, ToolCall
+from toolrl.tasks import load_task
+
+
+@pytest.mark.parametrize("n, c", [(1, 0), (1, 1), (5, 2), (10, 3), (10, 10), (7, 0)])
+def test_pass_at_k_is_the_unbiased_estimator(n, c):
+    # brute force: the fraction of k-subsets of the n samples that contain a correct one
+    outcomes = [1] * c + [0] * (n - c)
+    for k in range(1, n + 1):
+        subsets = list(itertools.combinations(outcomes, k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+    with pytest.raises(ValueError, match="at least"):
+        pass_at_k(n, c, n + 1)
+
+
+def test_summary_breaks_mixed_levels_down():
+    problems = load_task("arithmetic:1-2", 4, 3, DataConfig())
+
+    def s(correct, fmt, call):
+        calls = [ToolCall(code="print(1)", status=call, output="1")] if call else []
+        return Sample(prompt_ids=[1], completion_ids=[2, 3], loss_mask=[1, 1], logprobs=[-1.0, -1.0],
+                      rewards={"correct": correct, "format": fmt}, group_id="g", tool_calls=calls)
+
+    groups = {problems[0].id: [s(1.0, 1.0, "ok")], problems[2].id: [s(0.0, 1.0, "error")],
+              problems[1].id: [s(0.0, 0.0, None)], problems[3].id: [s(0.0, 1.0, None)]}
+    out = summarize(problems, groups, [1])
+    assert out["accuracy"] == 0.25 and out["format_rate"] == 0.75
+    l1, l2 = out["by_level"]["1"], out["by_level"]["2"]
+    assert (l1["accuracy"], l1["code_written_rate"], l1["code_executed_rate"]) == (0.5, 1, 0.5)
+    assert l1["tool_error_rate"] == 0.5
+    assert (l2["accuracy"], l2["format_rate"], l2["code_written_rate"]) == (0.0, 0.5, 0.0)
+
+
+def test_batch_stats_count_the_policy_samples_their_staleness_and_truncation():
+    def s(correct, version, stop, source="policy", calls=()):
+        return Sample(prompt_ids=[1], completion_ids=[2, 3, 4], loss_mask=[1, 0, 1], logprobs=[-1.0, None, -1.0],
+                      rewards={"correct": correct}, reward=correct, group_id="g", policy_version=version,
+                      stop_reason=stop, source=source,
+                      tool_calls=[ToolCall(code="x", status=c, output="") for c in calls])
+
+    batch = [s(1.0, 3, "eos", calls=["ok"]), s(0.0, 2, "length", calls=["error", "ok"]), s(0.0, 3, "max_tool_calls"),
+             s(1.0, 3, "eos", source="teacher")]
+    out = batch_stats(batch, version=3)
+    assert out["samples"] == 4 and out["accuracy"] == pytest.approx(1 / 3)  # the teacher trace is not counted
+    assert out["tool_calls_per_sample"] == 1.0 and out["tool_error_rate"] == pytest.approx(1 / 3)
+    assert out["staleness/0"] == 2 and out["staleness/1"] == 1 and out["staleness_mean"] == pytest.approx(1 / 3)
+    assert out["stop/length_frac"] == pytest.approx(1 / 3)
+    assert out["response_len"] == 2 and out["completion_len"] == 3

@@ -1,0 +1,88 @@
+"""The figures the system reports, defined once: pass@k, an evaluation's rates and summary, and the
+statistics of a training batch."""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+
+from toolrl.protocol import TRUNCATED, Sample
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k), for n samples with c correct."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples per problem, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def summarize(problems: list, groups: dict[str, list[Sample]], ks: list[int]) -> dict:
+    """An evaluation's figures: rates over all samples, unbiased pass@k, per problem and per level.
+    `problems` are toolrl.tasks.Problem; `groups` their samples by problem id."""
+    samples = [s for g in groups.values() for s in g]
+    n = len(samples)
+    per_problem = []
+    for p in problems:
+        g = groups.get(p.id, [])
+        answer = p.answer if len(p.answer) < 200 else p.answer[:200] + "…"  # code tasks: tests, cut
+        per_problem.append({"id": p.id, "answer": answer, "n": len(g),
+                            "correct": int(sum(s.rewards.get("correct", 0.0) >= 1.0 for s in g))})
+    fmt = "code_format" if problems and all(p.grading == "tests" for p in problems) else "format"
+    pak = {}
+    for k in ks:
+        vals = [pass_at_k(r["n"], r["correct"], k) for r in per_problem if r["n"] >= k]
+        if vals:
+            pak[str(k)] = statistics.fmean(vals)
+    out = {"n_problems": len(problems), "n_samples": n, **rates(samples, fmt), "pass_at_k": pak,
+           "per_problem": per_problem}
+    levels = sorted({p.level for p in problems if p.level is not None})
+    if len(levels) > 1:  # e.g. arithmetic:1-3: the same figures per curriculum level
+        out["by_level"] = {str(lv): {"n_samples": len(g), **rates(g, fmt)} for lv in levels
+                           for g in [[s for p in problems if p.level == lv for s in groups.get(p.id, [])]]}
+    return out
+
+
+def rates(samples: list[Sample], fmt: str = "format") -> dict:
+    """Accuracy, format, tool use and length over samples."""
+    n = len(samples)
+    if not n:
+        return {k: 0.0 for k in ("accuracy", "format_rate", "tool_calls_per_answer", "tool_error_rate",
+                                 "code_written_rate", "code_executed_rate", "mean_completion_tokens")}
+    calls = [t for s in samples for t in s.tool_calls]
+    return {
+        "accuracy": statistics.fmean([s.rewards.get("correct", 0.0) for s in samples]),
+        "format_rate": statistics.fmean([s.rewards.get(fmt, 0.0) for s in samples]),
+        "tool_calls_per_answer": len(calls) / n,
+        "tool_error_rate": sum(t.status != "ok" for t in calls) / len(calls) if calls else 0.0,
+        "code_written_rate": statistics.fmean([bool(s.tool_calls) for s in samples]),
+        "code_executed_rate": statistics.fmean([any(t.status == "ok" for t in s.tool_calls) for s in samples]),
+        "mean_completion_tokens": statistics.fmean([len(s.completion_ids) for s in samples]),
+    }
+
+
+def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
+    """Reward per component, accuracy, lengths, tool use and staleness of one training batch."""
+    policy = [s for s in samples if s.source == "policy"] or samples
+    out: dict[str, float] = {"samples": len(samples)}
+    comps = sorted({k for s in policy for k in s.rewards})
+    for k in comps:
+        vals = [s.rewards.get(k, 0.0) for s in policy]
+        out[f"reward/{k}_mean"] = statistics.fmean(vals)
+        out[f"reward/{k}_std"] = statistics.pstdev(vals)
+    totals = [s.reward for s in policy]
+    out["reward/total_mean"] = statistics.fmean(totals)
+    out["reward/total_std"] = statistics.pstdev(totals)
+    r = rates(policy)
+    out["accuracy"] = r["accuracy"]
+    out["response_len"] = statistics.fmean([sum(s.loss_mask) for s in policy])
+    out["completion_len"] = r["mean_completion_tokens"]
+    out["tool_calls_per_sample"] = r["tool_calls_per_answer"]
+    out["tool_error_rate"] = r["tool_error_rate"]
+    stale = Counter(version - s.policy_version for s in policy)
+    out["staleness_mean"] = sum(k * v for k, v in stale.items()) / len(policy)
+    for k, v in sorted(stale.items()):
+        out[f"staleness/{k}"] = v
+    out["stop/length_frac"] = sum(1 for s in policy if s.stop_reason in TRUNCATED) / len(policy)
+    return out

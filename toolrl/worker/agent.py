@@ -1,0 +1,146 @@
+"""The agent: the policy acting on problems. A question becomes prompt ids, `n` rollouts with the
+Python tool loop (toolrl.worker.rollout), and scored samples with group advantages.
+
+This is all that generating text needs: the training worker (toolrl.worker.service), evaluate.py and
+inference.py each build one. Training adds the producer (problems, curriculum, teacher) and the
+weight gate around it; an agent without a gate runs with whatever weights its engine holds.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import zlib
+
+from toolrl.config import Config
+from toolrl.executor.client import AsyncExecutorClient, ExecutorError
+from toolrl.grpo import group_advantages
+from toolrl.metrics import summarize
+from toolrl.models import load_tokenizer, resolve_model
+from toolrl.prompts import load_chat_prompt
+from toolrl.protocol import Sample
+from toolrl.tasks import Problem
+from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
+from toolrl.worker.engine import VllmEngine
+from toolrl.worker.rewards import Completion, check_names, score, weights_at
+from toolrl.worker.rollout import ExecutorTool, Rollout, pending_program, run_rollout
+
+log = logging.getLogger("gen_worker")
+
+
+def agent_seed(name: str, data_seed: int) -> int:
+    """Each agent's own sampling seed: data.seed moves every random choice of a run (problems,
+    sampling, teacher wording), so runs with different seeds are independent repeats."""
+    return zlib.crc32(name.encode()) + 7919 * data_seed
+
+
+class Agent:
+    def __init__(self, cfg: Config, name: str, engine: VllmEngine | None = None):
+        """`name` makes request and session ids unique (the worker id); `engine` defaults to a new
+        vLLM engine for cfg.model (tests pass a scripted one)."""
+        check_names(weights_at(cfg.rewards, 0))
+        self.cfg, self.name = cfg, name
+        self.tokenizer = load_tokenizer(cfg.model.name)
+        self.engine = engine or VllmEngine(cfg, resolve_model(cfg.model.name),
+                                           seed=agent_seed(name, cfg.data.seed) % 2**31)
+        ex = cfg.executor
+        self.executor = AsyncExecutorClient(ex.url, token=ex.token, timeout_s=ex.client_timeout_s,
+                                            retries=ex.client_retries)
+        self.tool = ExecutorTool(self.executor, timeout_s=ex.timeout_s)
+        self.chat_prompt = load_chat_prompt(cfg.prompt.system)
+        self.pending_code = pending_program(cfg.prompt.prefill, cfg.rollout.stop_marker)
+        self.gate = None  # a toolrl.weightsync.gate.WeightGate when weights are updated live
+        self._ids = itertools.count()
+
+    def group_id(self, problem_id: str, kind: str = "") -> str:
+        return f"{self.name}:{kind}{problem_id}:{next(self._ids)}"
+
+    def prompt_ids(self, question: str) -> list[int]:
+        return self.chat_prompt.ids(self.tokenizer, question, self.cfg.prompt.prefill)
+
+    def gated(self):
+        """Rollouts run inside this; yields the policy version they run under (0 without a gate)."""
+        return self.gate.rollout() if self.gate is not None else contextlib.nullcontext(0)
+
+    # -- acting ---------------------------------------------------------------------------------
+    async def rollouts(self, prompt: list[int], gid: str, n: int) -> list[Rollout]:
+        """n rollouts of one prompt; `{gid}.{i}` are the request ids and the executor session ids.
+        Each is its own request, so one sample's tool call never stalls the others."""
+        return await asyncio.gather(*[run_rollout(self.engine, self.tool, self.tokenizer, prompt, self.cfg.rollout,
+                                                  f"{gid}.{i}", self.pending_code) for i in range(n)])
+
+    async def answer(self, question: str, request_id: str) -> Rollout:
+        """One rollout of a free-form question (inference.py)."""
+        async with self.gated():
+            return (await self.rollouts(self.prompt_ids(question), request_id, 1))[0]
+
+    # -- scoring --------------------------------------------------------------------------------
+    async def run_tests(self, problem: Problem, rolls: list[Rollout]) -> list | None:
+        """Problems graded by tests: every rollout's program against them, one executor batch per
+        group. None for other problems. Raises ExecutorError when the executor could not run them:
+        the caller leaves the group out (a reward of 0 for an unscored program is no signal)."""
+        if problem.grading != "tests":
+            return None
+        spec = TestSpec.from_json(problem.answer)
+        programs = [program_in(r.texts(self.tokenizer, self.cfg.prompt.prefill)[1], spec) for r in rolls]
+        return await arun_tests(self.executor, programs, [spec] * len(programs),
+                                self.cfg.rewards.code_test_timeout_s, self.cfg.executor.max_timeout_s)
+
+    def score(self, problem: Problem, rolls: list[Rollout], gid: str, version: int,
+              tests: list | None = None) -> list[Sample]:
+        """The rollouts of one problem as samples: rewards at `version`, then group advantages."""
+        samples = []
+        for i, r in enumerate(rolls):
+            text, final = r.texts(self.tokenizer, self.cfg.prompt.prefill)
+            c = Completion(text, final, r.tool_calls, tests[i] if tests else None, problem.grading)
+            rewards, total = score(c, problem.answer, self.cfg.rewards, version)
+            samples.append(Sample(prompt_ids=r.prompt_ids, completion_ids=r.completion_ids, loss_mask=r.loss_mask,
+                                  logprobs=r.logprobs, rewards=rewards, reward=total, group_id=gid,
+                                  policy_version=version, stop_reason=r.stop_reason, tool_calls=r.tool_calls,
+                                  text=text))
+        advs = group_advantages([s.reward for s in samples], scale=self.cfg.grpo.scale_rewards)
+        for s, a in zip(samples, advs):
+            s.advantage = a
+        return samples
+
+    # -- held-out evaluation --------------------------------------------------------------------
+    async def evaluate(self, problems: list[Problem], samples: int, ks: list[int], concurrency: int = 16,
+                       on_problem=None) -> dict:
+        """`samples` rollouts of each problem with the weights held now: the policy alone (no teacher
+        traces), scored as in training, counted in no training statistic. Behind a gate, a weight
+        update drains these rollouts like any others."""
+        sem = asyncio.Semaphore(concurrency)
+        version = self.gate.version if self.gate is not None else 0
+        groups: dict[str, list[Sample]] = {}
+        aborted = unscored = 0
+        t0 = time.time()
+
+        async def one(problem: Problem) -> None:
+            nonlocal aborted, unscored
+            async with sem:
+                async with self.gated() as v:
+                    gid = self.group_id(problem.id, "eval:")
+                    rolls = await self.rollouts(self.prompt_ids(problem.question), gid, samples)
+                kept = [r for r in rolls if r.stop_reason != "abort"]
+                aborted += len(rolls) - len(kept)
+                try:
+                    tests = await self.run_tests(problem, kept) if kept else None
+                except ExecutorError as exc:
+                    unscored += 1
+                    log.warning("could not run the tests of %s, left out of the evaluation: %s", problem.id, exc)
+                    return
+                groups[problem.id] = await asyncio.to_thread(self.score, problem, kept, gid, v, tests)
+                if on_problem is not None:
+                    on_problem(problem.id, groups[problem.id])
+
+        await asyncio.gather(*[one(p) for p in problems])
+        out = summarize(problems, groups, ks)
+        out.update(policy_version=version, policy_version_end=self.gate.version if self.gate is not None else 0,
+                   aborted_samples=aborted, unscored_problems=unscored, wall_s=time.time() - t0)
+        return out
+
+    async def aclose(self) -> None:
+        await self.executor.aclose()
+        self.engine.shutdown()

@@ -1,0 +1,145 @@
+"""The training worker as a service: an agent, the producer that feeds it, and the weight gate, behind
+an HTTP API (toolrl.worker.app); it registers with the reference server, heartbeats, and uploads
+groups (waiting when the server is full, never dropping one).
+
+One asyncio loop runs everything: the HTTP server, the producer (`prompts_per_step` groups in flight,
+each of `group_size` rollouts sharing the vLLM engine), the uploader and the heartbeat. Weight updates
+go through the gate (toolrl.weightsync.gate): in-flight rollouts finish on the weights they started
+under, so no sample mixes two policies.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import uvicorn
+from tqdm import tqdm
+
+from toolrl.config import Config
+from toolrl.protocol import sample_record
+from toolrl.refserver.client import AsyncRefServerClient
+from toolrl.weightsync.gate import WeightGate
+from toolrl.weightsync.receiver import WeightAssembler, remove_stale_weight_dirs
+from toolrl.worker.agent import Agent
+from toolrl.worker.app import build_app
+from toolrl.worker.engine import VllmEngine
+from toolrl.worker.producer import Producer, Stats
+
+log = logging.getLogger("gen_worker")
+
+
+class GenWorker:
+    def __init__(self, cfg: Config, worker_id: str | None = None, public_url: str | None = None,
+                 engine: VllmEngine | None = None):
+        self.cfg = cfg
+        self.worker_id = worker_id or cfg.rollout.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.public_url = public_url or cfg.rollout.public_url or f"http://{cfg.rollout.host}:{cfg.rollout.port}"
+        self.stats = Stats()
+        self.agent = Agent(cfg, self.worker_id, engine)
+        self.producer = Producer(cfg, self.agent, self.stats)  # checks data.source before anything else
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+        for d in remove_stale_weight_dirs(shm):
+            log.info("removed %s, left by a worker that is gone", d)
+        assembler = WeightAssembler(shm / f"toolrl-weights-{self.worker_id}-{os.getpid()}",
+                                    wait_s=cfg.rollout.drain_timeout_s + cfg.learner.sync_timeout_s)
+        self.gate = WeightGate(self.agent.engine, assembler, cfg.rollout.drain_timeout_s, cfg.learner.sync_timeout_s,
+                               on_loaded=self._loaded, name=self.worker_id)
+        self.agent.gate = self.gate
+
+    def _loaded(self, version: int, reload_s: float) -> None:
+        self.stats.updates += 1
+        self.stats.last_reload_s = reload_s
+
+    @property
+    def version(self) -> int:
+        return self.gate.version
+
+    def stats_dict(self) -> dict:
+        d = self.stats.as_dict()
+        d.update(worker_id=self.worker_id, policy_version=self.gate.version, inflight_groups=self.gate.inflight,
+                 tool_executor_errors=self.agent.tool.errors, level=self.producer.level)
+        return d
+
+    def capabilities(self) -> dict:
+        return {"model": self.cfg.model.name, "max_model_len": self.cfg.model.max_model_len,
+                "group_size": self.cfg.rollout.group_size, "tools": ["python"]}
+
+    async def aclose(self) -> None:
+        await self.agent.aclose()
+        self.gate.assembler.close()
+
+
+async def upload_loop(worker: GenWorker, ref, max_groups: int | None = None) -> None:
+    """Produce groups and upload them; a full server makes this wait (backpressure), never drop."""
+    async for group in worker.producer.produce(n_groups=max_groups):
+        t0 = time.time()
+        await ref.upload(group)
+        waited = time.time() - t0
+        if waited > 0.5:
+            worker.stats.upload_waits += 1
+        worker.stats.upload_wait_s += waited
+
+
+async def rollout_only(worker: GenWorker, num_prompts: int, out_path: str) -> dict:
+    """Write scored samples to JSONL without a reference server."""
+    n = 0
+    t0 = time.time()
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "w") as f, tqdm(total=num_prompts, desc="groups", unit="group") as bar:
+        async for group in worker.producer.produce(n_groups=num_prompts):
+            for s in group:
+                f.write(json.dumps(sample_record(s)) + "\n")
+                n += 1
+            f.flush()
+            bar.update(1)
+            bar.set_postfix(reward=f"{worker.stats.reward_sum / max(1, worker.stats.samples):.3f}",
+                            tools=worker.stats.tool_calls)
+    summary = worker.stats_dict()
+    summary.update(written=n, out=out_path, wall_s=time.time() - t0)
+    return summary
+
+
+async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, public_url: str | None,
+                      max_groups: int | None = None) -> None:
+    worker = GenWorker(cfg, worker_id=worker_id, public_url=public_url or f"http://{host}:{port}")
+    app = build_app(worker)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    serve_task = asyncio.create_task(server.serve())
+    ref = AsyncRefServerClient(cfg.ref_server.url, token=cfg.ref_server.token)
+    try:
+        while not server.started:
+            if serve_task.done():
+                serve_task.result()  # raises the bind error
+            await asyncio.sleep(0.05)
+        reg = await ref.register(worker.worker_id, worker.public_url, worker.capabilities(), worker.version)
+        log.info("worker %s registered at %s (engine start %.0fs)", worker.worker_id, worker.public_url,
+                 worker.agent.engine.start_s)
+        print(f"gen worker {worker.worker_id} ready at {worker.public_url}", flush=True)
+        # Heartbeats start now: a late joiner waiting for weights must stay in the registry, or the
+        # learner would never see it to send them.
+        hb = asyncio.create_task(ref.keep_registered(worker.worker_id, worker.public_url, worker.capabilities(),
+                                                     lambda: worker.version, cfg.rollout.heartbeat_s))
+        learner_version = int(reg.get("learner_version", 0) or 0)
+        if learner_version > worker.version:
+            # A late joiner waits for the current weights before producing anything.
+            log.info("waiting for policy version %d from the learner", learner_version)
+            deadline = time.time() + cfg.learner.sync_timeout_s * 3
+            while worker.version < learner_version and time.time() < deadline:
+                await asyncio.sleep(0.5)
+        try:
+            await upload_loop(worker, ref, max_groups)
+            if max_groups is not None:  # done producing; keep serving updates and probes until stopped
+                log.info("produced %d groups; now only serving", max_groups)
+                await serve_task
+        finally:
+            hb.cancel()
+    finally:
+        server.should_exit = True
+        await asyncio.gather(serve_task, return_exceptions=True)
+        await ref.aclose()
+        await worker.aclose()
