@@ -37,6 +37,7 @@ def test_override_types_and_nesting():
 
 @pytest.mark.parametrize("override, needle", [
     ("learner.lrr=1e-6", "unknown key 'learner.lrr'"),
+    ("learner.grad_accum=4", "unknown key 'learner.grad_accum'"),  # never read, so removed
     ("nosuch.key=1", "unknown key 'nosuch'"),
     ("learner.steps=-3", "learner.steps=-3"),
     ("learner.steps=many", "learner.steps='many'"),

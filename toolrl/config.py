@@ -232,8 +232,9 @@ class LearnerConfig(Section):
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after the linear warmup
     batch_samples: int = Field(16, ge=1)
     batch_tokens: int = Field(16384, ge=64)
+    # A step's batch is split into micro-batches of at most this many padded tokens whose gradients
+    # add up exactly to the batch's (there is no separate accumulation count)
     micro_batch_tokens: int = Field(4096, ge=64)
-    grad_accum: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0)
     zero_stage: Literal[0, 1, 2, 3] = 2
     dtype: Literal["bfloat16", "float32", "auto"] = "bfloat16"  # DeepSpeed's mixed precision; "auto" as model.dtype

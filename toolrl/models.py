@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
 from filelock import FileLock
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -50,8 +52,6 @@ def _log(msg: str) -> None:
 
 
 def gguf_path() -> Path:
-    import importlib.util
-
     # find_spec, not import: the package's __init__ imports `llm`, which we deliberately do not install.
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -65,8 +65,7 @@ def gguf_path() -> Path:
 
 
 def _build_smollm2(out: Path) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # lazy: slow; builds run once
 
     gguf = gguf_path()
     _log(f"converting {gguf.name} to bf16 safetensors (about a minute, once)")
@@ -94,8 +93,7 @@ def _build_smollm2(out: Path) -> None:
 
 
 def _build_tiny(out: Path) -> None:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # lazy: slow; builds run once
 
     base = Path(resolve_model(SMOLLM2))
     tok = AutoTokenizer.from_pretrained(base)
@@ -181,7 +179,7 @@ def weights_digest(path: str | Path) -> str:
 
 
 def load_tokenizer(name: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: importing transformers takes seconds
 
     tok = AutoTokenizer.from_pretrained(resolve_model(name))
     if tok.pad_token_id is None:
@@ -192,7 +190,6 @@ def load_tokenizer(name: str):
 def native_bf16() -> bool:
     """Whether this machine computes bf16 natively: a GPU that supports it, or a CPU with
     AVX512-BF16 or AMX. Elsewhere (an AVX2 CPU) bf16 is emulated and slower than fp32."""
-    import torch
 
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
@@ -217,8 +214,7 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def load_hf_model(name: str, dtype: str = "float32", device: str = "cpu"):
-    import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: importing transformers takes seconds
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=getattr(torch, dtype))
     return model.to(device).eval()
@@ -226,7 +222,6 @@ def load_hf_model(name: str, dtype: str = "float32", device: str = "cpu"):
 
 def chat_reply(name: str, question: str, max_new_tokens: int = 96, system: str | None = None) -> str:
     """Greedy chat reply through transformers: the smoke check of the model layer."""
-    import torch
 
     tok = load_tokenizer(name)
     model = load_hf_model(name)

@@ -140,7 +140,7 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 
 def hasher(meta_json: str):
-    import xxhash
+    import xxhash  # lazy: clients that never frame a payload need not load it
 
     h = xxhash.xxh3_64()
     h.update(meta_json.encode())

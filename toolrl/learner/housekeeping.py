@@ -48,7 +48,7 @@ def clear_stale_shm_buffers(shm: str | Path = "/dev/shm") -> list[Path]:
 
 def build_cpu_ops() -> None:
     """Compile DeepSpeed's CPU communication op now (`make install`), so no run or test pays minutes for it."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # lazy: the cleanups above run without DeepSpeed
 
     for lock in clear_stale_op_locks(max_age_s=0):
         print(f"removed a stale build lock: {lock}")

@@ -19,11 +19,11 @@ class Monitor:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: only when TensorBoard is on
 
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
         if cfg.logging.wandb_mode != "disabled":
-            import wandb
+            import wandb  # lazy: only when WandB is on (its import takes seconds)
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self.wandb = wandb.init(project=cfg.logging.wandb_project, name=run_name or cfg.logging.run_name,

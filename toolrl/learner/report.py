@@ -15,7 +15,11 @@ from pathlib import Path
 import httpx
 
 from toolrl.config import add_config_args, config_from_args
+from toolrl.logprobs import sample_logprobs
+from toolrl.models import resolve_model
 from toolrl.net import auth_headers
+from toolrl.protocol import Sample
+from toolrl.refserver.client import RefServerClient
 
 PROBE_TEXT = "Question: A box holds 12 rows of 7 eggs. How many eggs?\n"
 
@@ -47,12 +51,8 @@ def heldout(evals: list[dict]) -> dict:
 
 def probe_workers(cfg, workers: list[dict], export_dir: Path) -> list[dict]:
     """Each worker's probe logprobs vs the exported policy (and vs the base model)."""
-    import torch
+    import torch  # lazy, as transformers below: the report's other parts need neither
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from toolrl.logprobs import sample_logprobs
-    from toolrl.models import resolve_model
-    from toolrl.protocol import Sample
 
     tok = AutoTokenizer.from_pretrained(export_dir)
     prompt = tok.encode(PROBE_TEXT)
@@ -79,7 +79,7 @@ def probe_workers(cfg, workers: list[dict], export_dir: Path) -> list[dict]:
 
 
 def plot(metrics: list[dict], path: Path, evals: list[dict] = ()) -> None:
-    import matplotlib
+    import matplotlib  # lazy: only the curves need it, and it must get its backend first
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -110,8 +110,6 @@ def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
     metrics = read_jsonl(run_dir / "logs" / "metrics.jsonl")
     workers: list[dict] = []
     try:
-        from toolrl.refserver.client import RefServerClient
-
         with RefServerClient(cfg.ref_server.url, token=cfg.ref_server.token, timeout_s=10) as ref:
             workers = ref.workers()
     except Exception as exc:

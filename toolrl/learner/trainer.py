@@ -51,7 +51,7 @@ def _lr_lambda(cfg: Config):
 
 class Trainer:
     def __init__(self, cfg: Config, model_path: str):
-        import deepspeed
+        import deepspeed  # lazy, as transformers: importing this module (micro-batching, tests) needs neither
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = cfg
@@ -68,7 +68,7 @@ class Trainer:
             model.config.use_cache = False
         self.lora = lc.lora.enabled
         if self.lora:
-            from peft import LoraConfig, get_peft_model
+            from peft import LoraConfig, get_peft_model  # lazy: only with LoRA
 
             model = get_peft_model(model, LoraConfig(r=lc.lora.r, lora_alpha=lc.lora.alpha,
                                                      lora_dropout=lc.lora.dropout,
@@ -112,7 +112,7 @@ class Trainer:
 
     def _all_reduce(self, x: float, op: str) -> float:
         """x reduced over the ranks with "max" or "min" (itself when there is one rank)."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: set up by DeepSpeed, used only with several ranks
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return x
@@ -258,7 +258,7 @@ class Trainer:
     # -- weights out ------------------------------------------------------------------------------
     def export_state(self, dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]]:
         """Full weights in Hugging Face names (ZeRO-3 gathered, LoRA merged), on CPU, for sync/export."""
-        import deepspeed
+        import deepspeed  # lazy: see __init__
 
         module = self.module
         # A tied lm_head is sent too, though it is the embedding under another name: measured,
@@ -286,7 +286,7 @@ class Trainer:
 
     def export_hf(self, out_dir: str | Path) -> Path:
         """A Hugging Face directory (safetensors + tokenizer) for inference and evaluation."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # lazy: only at export
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ import torch
 
 from toolrl.config import Config
 from toolrl.logprobs import completion_logprobs, pack_samples
+from toolrl.models import resolve_dtype, resolve_model
 from toolrl.protocol import Sample
 from toolrl.refserver.queue import AsyncSampleQueue, Entry
 
@@ -40,9 +41,7 @@ def resolve_device(device: str) -> str:
 
 def load_reference_model(cfg: Config):
     """The frozen reference: cfg.model.name in cfg.model.dtype on cfg.ref_server.device."""
-    from transformers import AutoModelForCausalLM
-
-    from toolrl.models import resolve_dtype, resolve_model
+    from transformers import AutoModelForCausalLM  # lazy: with beta = 0 no reference model is loaded
 
     dtype = getattr(torch, resolve_dtype(cfg.model.dtype))
     model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model.name), dtype=dtype,

@@ -16,12 +16,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from safetensors import safe_open
+
+from toolrl.weightsync.process_group import make_group, ready_key, receive_weights
 from toolrl.weightsync.receiver import abort_file, bucket_file, ready_file
 
 
 def iter_bucket_files(weights_dir: str, update_id: int, count: int, timeout_s: float, poll_s: float = 0.002):
     """(name, tensor) from buckets 0..count-1 of an update, each read as soon as it is ready."""
-    from safetensors import safe_open
 
     d = Path(weights_dir)
     for i in range(count):
@@ -53,15 +55,11 @@ class WeightLoaderExtension:
 
     def toolrl_join_group(self, group_id: str, host: str, port: int, rank: int, world_size: int, backend: str,
                           timeout_s: float) -> None:
-        from toolrl.weightsync.process_group import make_group
-
         groups = self.__dict__.setdefault("_toolrl_groups", {})
         groups.clear()  # one learner at a time: a new group replaces the old one
         groups[group_id] = make_group(backend, host, port, rank, world_size, group_id, timeout_s)
 
     def toolrl_load_broadcast(self, group_id: str, push_id: str, specs: list, timeout_s: float) -> float:
-        from toolrl.weightsync.process_group import ready_key, receive_weights
-
         group, store = self.__dict__.get("_toolrl_groups", {}).get(group_id, (None, None))
         if group is None:
             raise RuntimeError(f"no process group {group_id!r}: join it first")

@@ -15,6 +15,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from toolrl.config import Config
 from toolrl.models import resolve_dtype
 from toolrl.format import PROGRAM_CLOSE
@@ -22,8 +24,6 @@ from toolrl.net import wait_for
 
 
 def is_cpu() -> bool:
-    import torch
-
     return not torch.cuda.is_available()
 
 
@@ -52,7 +52,7 @@ class VllmEngine:
         self.cpu = cpu = is_cpu()
         if cpu:
             configure_cpu_env(cfg)
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.engine.arg_utils import AsyncEngineArgs  # lazy: importing vLLM takes ~45 s on a CPU
         from vllm.v1.engine.async_llm import AsyncLLM
 
         r = cfg.rollout
@@ -80,7 +80,7 @@ class VllmEngine:
     async def generate(self, ids: list[int], max_tokens: int, request_id: str,
                        stop_at_marker: bool = True, temperature: float | None = None,
                        seed: int | None = None) -> GenOut:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # lazy: see __init__
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 

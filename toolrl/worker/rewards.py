@@ -65,7 +65,7 @@ STARTUP_TIMEOUT_S = 300.0
 
 def _warm() -> None:
     # the child's start-up: the slow import counts against no verification
-    import math_verify  # noqa: F401
+    import math_verify  # noqa: F401  (warms the verifier child: its import is slow)
 
 
 class Verifier:

@@ -15,6 +15,7 @@ from typing import Protocol
 from toolrl.config import RolloutConfig
 from toolrl.worker.engine import GenOut
 from toolrl.format import extract_program, format_tool_result
+from toolrl.executor.client import ExecutorUnavailable
 from toolrl.protocol import StopReason, ToolCall
 
 TRUNCATION_MARK = "\n...[output truncated]\n"
@@ -145,8 +146,6 @@ class ExecutorTool:
         self.errors = 0
 
     async def run(self, code: str, session_id: str | None) -> ToolCall:
-        from toolrl.executor.client import ExecutorUnavailable
-
         self.calls += 1
         try:
             res = await self.client.execute(code, timeout_s=self.timeout_s, session_id=session_id)
