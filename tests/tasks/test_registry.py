@@ -11,7 +11,7 @@ from toolrl.config import DataConfig, TeacherConfig, load_config
 from toolrl.tasks import (TASKS, DataError, Problem, Task, TeacherTrace, get_task, load_problems, load_task,
                           problem_stream, register_task, task_names, task_seed)
 from toolrl.tasks.code.loaders import load_humaneval, split
-from toolrl.worker.producer import GenWorker
+from toolrl.worker.service import GenWorker
 from toolrl.worker.rewards import Completion, score
 from toolrl.worker.teacher import teacher_sample
 

@@ -72,7 +72,7 @@ class Producer:
     def __init__(self, cfg: Config, agent: Agent, stats: Stats | None = None):
         self.cfg, self.agent = cfg, agent
         self.stats = stats or Stats()
-        self.task = get_task(cfg.data.source)  # an unknown data.source fails here, before anything starts
+        self.task = get_task(cfg.data.source)
         self.level = cfg.data.level
         self.problems = problem_stream(cfg.data, agent.name)
         self._recent_acc: collections.deque = collections.deque(maxlen=cfg.data.promote_window)

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from toolrl.config import Config
 from toolrl.protocol import sample_record
 from toolrl.refserver.client import AsyncRefServerClient
+from toolrl.tasks import get_task
 from toolrl.weightsync.gate import WeightGate
 from toolrl.weightsync.receiver import WeightAssembler, remove_stale_weight_dirs
 from toolrl.worker.agent import Agent
@@ -39,9 +40,10 @@ class GenWorker:
         self.cfg = cfg
         self.worker_id = worker_id or cfg.rollout.worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.public_url = public_url or cfg.rollout.public_url or f"http://{cfg.rollout.host}:{cfg.rollout.port}"
+        get_task(cfg.data.source)  # an unknown data.source fails here, before the engine starts
         self.stats = Stats()
         self.agent = Agent(cfg, self.worker_id, engine)
-        self.producer = Producer(cfg, self.agent, self.stats)  # checks data.source before anything else
+        self.producer = Producer(cfg, self.agent, self.stats)
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
         for d in remove_stale_weight_dirs(shm):
             log.info("removed %s, left by a worker that is gone", d)
