@@ -185,20 +185,60 @@ class RewardConfig(Section):
 
 
 class GRPOConfig(Section):
-    """The objective, with the option names TRL users know."""
+    """The objective (toolrl/grpo.py; formulas in docs/ARCHITECTURE.md, "The objective"), with the option
+    names TRL users know. The defaults are the DAPO-style token loss with no IS correction."""
 
     epsilon_low: float = Field(0.2, ge=0)  # clip range below 1
-    epsilon_high: float = Field(0.28, ge=0)  # clip-higher (DAPO)
+    # clip range above 1 (clip-higher, DAPO). For loss_type cispo, as in TRL: the absolute cap on the
+    # ratio (TRL suggests 5.0), so it must be above 1 there
+    epsilon_high: float = Field(0.28, ge=0)
     beta: float = Field(0.0, ge=0)  # k3 KL weight; 0 loads no reference model
-    loss_type: Literal["token", "sequence", "dr_grpo"] = "token"
+    # The policy loss (toolrl.grpo.POLICY_LOSSES): token (DAPO: token mean over the batch), sequence
+    # (GRPO: mean per sequence, then over sequences), dr_grpo (sum / (sequences * max_completion_len)),
+    # gspo (sequence-level ratio and clip, sequence mean; set small epsilons, the paper uses 3e-4/4e-4),
+    # cispo (-sg(min(ratio, epsilon_high)) * A * logp, token mean)
+    loss_type: Literal["token", "sequence", "dr_grpo", "gspo", "cispo"] = "token"
     scale_rewards: bool = True  # False: mean-only advantages, as in Dr. GRPO
+    # The group std of scaled advantages: population (divide by n) or sample (n - 1, as TRL)
+    std: Literal["population", "sample"] = "population"
     drop_zero_std_groups: bool = False
-    entropy_coef: float = Field(0.0, ge=0)
-    tis_cap: float | None = Field(None, gt=0)  # truncated importance sampling cap on stale ratios
+    entropy_coef: float = Field(0.0, ge=0)  # bonus: the loss subtracts entropy_coef * entropy
+    # Truncated importance sampling: each token's policy loss weighed by min(π_proximal/π_behaviour,
+    # tis_cap), π_proximal being π_old when the learner passes it, else the learner's detached logprobs.
+    # The same as vllm_importance_sampling_correction with mode token_truncate and clip_max tis_cap.
+    tis_cap: float | None = Field(None, gt=0)
+    # TRL's IS correction of the sampler gap (off here by default; TRL's is on, sequence_mask, clip_max 3).
+    # token_truncate / sequence_truncate: weight clamp(ratio, clip_min, clip_max); token_mask /
+    # sequence_mask: weight ratio, 0 outside [clip_min, clip_max]; geometric_mask (verl's geometric
+    # rejection sampling, not in TRL): weight 1, or 0 for a sequence whose geometric-mean ratio is
+    # outside. sequence_*: the product of the sequence's token ratios
+    vllm_importance_sampling_correction: bool = False
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                                           "geometric_mask"] = "sequence_mask"
+    vllm_importance_sampling_clip_min: float | None = Field(None, ge=0)
+    vllm_importance_sampling_clip_max: float | None = Field(3.0, gt=0)
     max_completion_len: int = Field(512, ge=1)  # the constant normaliser for dr_grpo
     w_grpo: float = Field(1.0, ge=0)
     w_teacher: float = Field(0.0, ge=0)
     w_self: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "GRPOConfig":
+        if self.loss_type == "cispo" and self.epsilon_high <= 1:
+            raise ValueError(f"loss_type cispo takes epsilon_high as the absolute cap on the ratio (as TRL; e.g. "
+                             f"5.0), so it must be above 1, got {self.epsilon_high}")
+        if self.tis_cap is not None and self.vllm_importance_sampling_correction:
+            raise ValueError("tis_cap is the token_truncate IS correction: set it or "
+                             "vllm_importance_sampling_correction, not both")
+        mode, lo, hi = (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+                        self.vllm_importance_sampling_clip_max)
+        truncate = mode.endswith("truncate")
+        if self.vllm_importance_sampling_correction and hi is None and (truncate or lo is None):
+            raise ValueError(f"vllm_importance_sampling_mode {mode} needs vllm_importance_sampling_clip_max"
+                             + ("" if truncate else " or vllm_importance_sampling_clip_min"))
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"vllm_importance_sampling_clip_min ({lo}) is above clip_max ({hi})")
+        return self
 
 
 class TeacherConfig(Section):

@@ -1,37 +1,42 @@
 """GRPO, in one place: group advantages, the roles a sample plays in the loss, and the objective.
 
 Advantages are group-relative: each prompt's n samples are scored against each other,
-(r - mean) / (std + eps), or r - mean with `scale_rewards: false` (Dr. GRPO).
+(r - mean) / (std + eps) with the population std (`std: sample` for TRL's n - 1), or r - mean with
+`scale_rewards: false` (Dr. GRPO).
 
 A sample plays up to three roles: GRPO (a policy sample), teacher SFT (a teacher trace) and self
 SFT (the best policy sample of its group that solved the problem). The learner's loss is
     w_grpo * GRPO + w_teacher * SFT(teacher traces) + w_self * SFT(self-chosen samples).
 
 Inputs of the losses are per-token tensors of shape [B, T] over completion positions (right-padded), with
-`mask` 1 only where the policy generated the token: tool output and padding never count.
+`mask` 1 only where the policy generated the token: tool output and padding never count. Three
+policies meet: π_θ (`logp`, the learner now), π_behaviour (the sampler's logprobs) and, optionally,
+π_old (`old_logp`: the learner's logprobs before the batch's first update, detached).
 
-    ratio      = exp(logp - behaviour_logp)                   (behaviour: the sampler's logprobs)
-    surrogate  = min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)     (clip-higher)
-    kl (k3)    = exp(ref - logp) - (ref - logp) - 1                            (weight beta)
-    per token  = -surrogate + beta * kl - entropy_coef * entropy
+    base       = π_old if given; else sg(π_θ) with an IS correction on; else π_behaviour
+    r          = π_θ / base                                     (per token; GSPO: per sequence)
+    policy     = POLICY_LOSSES[loss_type](r, A)                 (clipped surrogate, CISPO, ...)
+    w          = IS weight from π_proximal / π_behaviour, π_proximal = π_old or sg(π_θ)   (no gradient)
+    per token  = w * policy + beta * k3(ref, θ) - entropy_coef * entropy
+    loss       = aggregate(per token)                           (token / sequence / constant normaliser)
 
-Truncated importance sampling (`tis_cap`): the clipped ratio is taken against the learner's own
-current logprobs (detached), and the gap to the sampler (staleness, vLLM-vs-learner numerics) is
-corrected by the weight min(exp(logp.detach() - behaviour_logp), tis_cap) on each token.
-
-Aggregation (`loss_type`):
-    token    sum over all tokens / tokens in the whole batch              (DAPO)
-    sequence mean over each sequence's tokens, then mean over sequences   (GRPO paper)
-    dr_grpo  sum over all tokens / (sequences * max_completion_len)       (Dr. GRPO)
+What clips: without an IS correction the ratio is π_θ/π_behaviour (or π_θ/π_old when given), so the
+clip bounds the whole gap, sampler numerics and staleness included. With one (`tis_cap` or
+`vllm_importance_sampling_correction`) and no π_old the ratio is π_θ/sg(π_θ) = 1: nothing clips
+(clip_frac is 0 by construction) and the gap is left to w. With π_old the ratio is π_θ/π_old: the
+trust region of decoupled PPO (AReaL), 1 at the first update and clipping from the second on.
 
 With gradient accumulation each micro-batch passes the *whole batch's* sequence and token counts,
-so the micro-batch losses add up exactly to the full-batch loss.
+so the micro-batch losses add up exactly to the full-batch loss. docs/ARCHITECTURE.md, "The
+objective", has every formula.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Literal
 
 import torch
 
@@ -42,11 +47,14 @@ from toolrl.protocol import Sample
 # ---------------------------------------------------------------------------------------------
 # Advantages
 
-def group_advantages(rewards: list[float], scale: bool = True, eps: float = 1e-4) -> list[float]:
+def group_advantages(rewards: list[float], scale: bool = True, eps: float = 1e-4,
+                     std: Literal["population", "sample"] = "population") -> list[float]:
     """(r - mean) / (std + eps) as in GRPO, or r - mean when `scale` is False (Dr. GRPO).
 
-    The std is the population std of the group. A group whose rewards are all equal gets zero
-    advantages: it carries no learning signal (callers decide whether to drop it).
+    `std`: "population" divides the squared deviations by n (the default, as always here);
+    "sample" by n - 1 (Bessel's correction), which is what TRL uses (`nanstd` in its GRPOTrainer).
+    A group whose rewards are all equal gets zero advantages: it carries no learning signal
+    (callers decide whether to drop it).
     """
     if zero_variance(rewards):  # exactly zero, not float dust: the learner skips zero-advantage samples
         return [0.0] * len(rewards)
@@ -54,8 +62,9 @@ def group_advantages(rewards: list[float], scale: bool = True, eps: float = 1e-4
     centred = [r - mean for r in rewards]
     if not scale:
         return centred
-    std = math.sqrt(sum(c * c for c in centred) / len(rewards))
-    return [c / (std + eps) for c in centred]
+    dof = len(rewards) - 1 if std == "sample" else len(rewards)  # n >= 2 here: one reward is zero-variance
+    sd = math.sqrt(sum(c * c for c in centred) / dof)
+    return [c / (sd + eps) for c in centred]
 
 
 def zero_variance(rewards: list[float], tol: float = 1e-9) -> bool:
@@ -102,38 +111,144 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum()
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, counts: BatchCounts,
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str, counts: BatchCounts,
               max_completion_len: int) -> torch.Tensor:
-    if loss_type == "token":
+    """Whole-batch normalisers only, so micro-batch losses add up to the batch loss."""
+    if how == "token":  # sum over all tokens / tokens in the whole batch (DAPO)
         return masked_sum(per_token, mask) / max(1, counts.tokens)
-    if loss_type == "sequence":
+    if how == "sequence":  # mean over each sequence's tokens, then over the batch's sequences (GRPO)
         per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         return per_seq.sum() / max(1, counts.sequences)
-    if loss_type == "dr_grpo":
+    if how == "constant":  # sum over all tokens / (sequences * max_completion_len) (Dr. GRPO)
         return masked_sum(per_token, mask) / (max(1, counts.sequences) * max_completion_len)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
+    raise ValueError(f"unknown aggregation {how!r}")
+
+
+@dataclass
+class PolicyInputs:
+    logp: torch.Tensor  # [B, T] log π_θ, with gradient
+    base: torch.Tensor  # [B, T] the ratio's denominator (π_old, sg(π_θ) or π_behaviour), no gradient
+    adv: torch.Tensor  # [B, 1]
+    mask: torch.Tensor  # [B, T] 1.0 where the policy generated the token
+
+
+# fn(x, cfg) -> (per-token policy loss [B, T], clipped [B, T] bool: the tokens the clip (or cap) held)
+PolicyLoss = Callable[[PolicyInputs, GRPOConfig], tuple[torch.Tensor, torch.Tensor]]
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+AGGREGATION: dict[str, str] = {}  # loss_type -> how its per-token loss is aggregated
+
+
+def register_policy_loss(name: str, aggregation: str = "token") -> Callable[[PolicyLoss], PolicyLoss]:
+    """Make `fn` the policy loss of `grpo.loss_type: name` (as verl's register_policy_loss). Its per-token
+    loss, times the IS weight, plus the KL and entropy terms, is aggregated as `aggregation` ("token",
+    "sequence" or "constant"). A new loss is one function here, its name in GRPOConfig.loss_type and
+    a test against a reference loop in tests/test_grpo.py."""
+    if aggregation not in ("token", "sequence", "constant"):
+        raise ValueError(f"unknown aggregation {aggregation!r}")
+
+    def register(fn: PolicyLoss) -> PolicyLoss:
+        POLICY_LOSSES[name], AGGREGATION[name] = fn, aggregation
+        return fn
+    return register
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), clip-higher (DAPO); and where the clip holds."""
+    clipped = ratio.clamp(1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
+    loss = -torch.minimum(ratio * adv, clipped * adv)
+    held = ((ratio < 1 - cfg.epsilon_low) & (adv < 0)) | ((ratio > 1 + cfg.epsilon_high) & (adv > 0))
+    return loss, held
+
+
+@register_policy_loss("token", aggregation="token")  # DAPO
+@register_policy_loss("sequence", aggregation="sequence")  # GRPO paper
+@register_policy_loss("dr_grpo", aggregation="constant")  # Dr. GRPO
+def ppo_clip(x: PolicyInputs, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    return clipped_surrogate(torch.exp(x.logp - x.base), x.adv, cfg)
+
+
+@register_policy_loss("gspo", aggregation="sequence")
+def gspo(x: PolicyInputs, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (Zheng et al. 2025), as TRL's importance_sampling_level="sequence" with loss_type="grpo": one
+    ratio per sequence, s = exp(mean over its tokens of (logp - base)), clipped at the sequence level,
+    sequence-mean aggregation. The gradient flows through s: each token gets s A / |y| (GSPO-token's
+    sg(s) π_θ/sg(π_θ) has the same value and gradient for sequence-level advantages)."""
+    n = x.mask.sum(-1, keepdim=True).clamp(min=1)
+    s = torch.exp(((x.logp - x.base) * x.mask).sum(-1, keepdim=True) / n)
+    loss, held = clipped_surrogate(s, x.adv, cfg)
+    return loss.expand_as(x.logp), held.expand_as(x.logp)
+
+
+@register_policy_loss("cispo", aggregation="token")
+def cispo(x: PolicyInputs, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1) as in TRL: -sg(min(r, epsilon_high)) A logp, epsilon_high being an absolute cap
+    on r (TRL suggests 5.0), no lower clip, token aggregation. The cap scales tokens, it never drops
+    them; counted as clipped where r > cap and A > 0 (TRL's cispo_clip_ratio)."""
+    ratio = torch.exp(x.logp.detach() - x.base)
+    return -ratio.clamp(max=cfg.epsilon_high) * x.adv * x.logp, (ratio > cfg.epsilon_high) & (x.adv > 0)
+
+
+def is_correction(cfg: GRPOConfig) -> tuple[str, float | None, float | None] | None:
+    """(mode, lo, hi) of the importance-sampling correction, or None. `tis_cap: c` is token_truncate
+    with hi = c (the config forbids setting it together with vllm_importance_sampling_correction)."""
+    if cfg.tis_cap is not None:
+        return "token_truncate", None, cfg.tis_cap
+    if cfg.vllm_importance_sampling_correction:
+        return (cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_min,
+                cfg.vllm_importance_sampling_clip_max)
+    return None
+
+
+def is_weight(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, lo: float | None,
+              hi: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The IS weight of each token's policy loss, from log π_proximal/π_behaviour (no gradient), and the
+    tokens it masks out. TRL's vllm_importance_sampling_mode, with ρ a token's ratio, ρ_seq the product
+    over the sequence's tokens and ρ_geo its geometric mean (verl's geometric rejection sampling):
+        token_truncate     clamp(ρ, lo, hi)              token_mask     ρ if lo <= ρ <= hi else 0
+        sequence_truncate  clamp(ρ_seq, lo, hi)          sequence_mask  ρ_seq if lo <= ρ_seq <= hi else 0
+        geometric_mask     1 if lo <= ρ_geo <= hi else 0 (drops the sequence, does not reweight it)
+    """
+    if mode.startswith("token"):
+        ratio = torch.exp(log_ratio)
+    else:
+        total = (log_ratio * mask).sum(-1, keepdim=True)
+        ratio = torch.exp(total / mask.sum(-1, keepdim=True).clamp(min=1) if mode == "geometric_mask" else total)
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=lo, max=hi), torch.zeros_like(mask, dtype=torch.bool)
+    keep = torch.ones_like(ratio, dtype=torch.bool)
+    if lo is not None:
+        keep &= ratio >= lo
+    if hi is not None:
+        keep &= ratio <= hi
+    weight = torch.where(keep, torch.ones_like(ratio) if mode == "geometric_mask" else ratio, torch.zeros_like(ratio))
+    return weight, (~keep).expand_as(mask)
 
 
 def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               cfg: GRPOConfig, counts: BatchCounts, ref_logp: torch.Tensor | None = None,
-              entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The policy loss of one micro-batch, and detached sums for metrics (divide by tokens)."""
+              entropy: torch.Tensor | None = None,
+              old_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss of one micro-batch, and detached sums for metrics (divide by tokens).
+
+    `old_logp` (π_old, the learner's logprobs before the batch's first update) is what the ratio is
+    taken against when given; without it: sg(logp) when an IS correction is on (ratio 1, nothing
+    clips), else the sampler's `behaviour_logp`. The IS weight uses π_old, else sg(logp), against the
+    sampler. Metrics: kl_sum, entropy_sum, clip_sum (tokens the clip held), ratio_sum/max/min (per
+    token π_θ/π_behaviour, whatever the loss), tokens; with a correction on, mis_masked_tokens.
+    """
     mask = mask.to(logp.dtype)
     # Masked positions may hold anything (NaN logprobs for tool output): zero them before exp.
     behaviour_logp = torch.where(mask > 0, behaviour_logp, logp.detach())
     adv = advantages.to(logp.dtype).unsqueeze(-1)
-    if cfg.tis_cap is None:
-        log_ratio = logp - behaviour_logp
-        weight = None
-    else:
-        log_ratio = logp - logp.detach()
-        weight = torch.exp(logp.detach() - behaviour_logp).clamp(max=cfg.tis_cap)
-    ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1 - cfg.epsilon_low, 1 + cfg.epsilon_high)
-    per_token = -torch.minimum(ratio * adv, clipped * adv)
-    if weight is not None:
-        per_token = per_token * weight
+    correction = is_correction(cfg)
+    proximal = logp.detach() if old_logp is None else torch.where(mask > 0, old_logp.detach(), logp.detach())
+    base = proximal if old_logp is not None or correction is not None else behaviour_logp
+    per_token, held = POLICY_LOSSES[cfg.loss_type](PolicyInputs(logp, base, adv, mask), cfg)
     metrics: dict[str, torch.Tensor] = {}
+    if correction is not None:
+        weight, rejected = is_weight(proximal - behaviour_logp, mask, *correction)
+        per_token = per_token * weight
+        metrics["mis_masked_tokens"] = masked_sum(rejected.to(logp.dtype), mask)
     if ref_logp is not None and cfg.beta > 0:
         d = torch.where(mask > 0, ref_logp, logp.detach()) - logp
         kl = torch.exp(d) - d - 1
@@ -143,11 +258,10 @@ def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torc
         per_token = per_token - cfg.entropy_coef * entropy
     if entropy is not None:
         metrics["entropy_sum"] = masked_sum(entropy.detach(), mask)
-    loss = aggregate(per_token, mask, cfg.loss_type, counts, cfg.max_completion_len)
+    loss = aggregate(per_token, mask, AGGREGATION[cfg.loss_type], counts, cfg.max_completion_len)
     with torch.no_grad():
-        r = ratio.detach() if weight is None else torch.exp(logp.detach() - behaviour_logp)
-        is_clipped = ((ratio < 1 - cfg.epsilon_low) & (adv < 0)) | ((ratio > 1 + cfg.epsilon_high) & (adv > 0))
-        metrics["clip_sum"] = masked_sum(is_clipped.to(logp.dtype), mask)
+        r = torch.exp(logp.detach() - behaviour_logp)
+        metrics["clip_sum"] = masked_sum(held.to(logp.dtype), mask)
         metrics["ratio_sum"] = masked_sum(r, mask)
         big = torch.finfo(r.dtype).max
         metrics["ratio_max"] = torch.where(mask > 0, r, torch.full_like(r, -big)).max()

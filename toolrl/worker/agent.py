@@ -100,7 +100,7 @@ class Agent:
                                   logprobs=r.logprobs, rewards=rewards, reward=total, group_id=gid,
                                   policy_version=version, stop_reason=r.stop_reason, tool_calls=r.tool_calls,
                                   text=text))
-        advs = group_advantages([s.reward for s in samples], scale=self.cfg.grpo.scale_rewards)
+        advs = group_advantages([s.reward for s in samples], scale=self.cfg.grpo.scale_rewards, std=self.cfg.grpo.std)
         for s, a in zip(samples, advs):
             s.advantage = a
         return samples
