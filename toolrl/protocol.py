@@ -49,8 +49,10 @@ class CorruptPayload(WireFormatError):
 
 # Why a rollout ended. eos: the model finished its turn; length: max_new_tokens; max_total_tokens: the
 # context (prompt + completion + tool output) is full; max_tool_calls: the tool budget is spent;
-# abort: the engine stopped it (a drain timeout, an engine error): not the model's doing, never trained.
-StopReason = Literal["eos", "length", "max_total_tokens", "max_tool_calls", "abort", ""]
+# abort: the engine stopped it (a drain timeout, an engine error); tool_unavailable: the executor could
+# not run a program (down, unreachable, refusing): neither is the model's doing, and neither is trained.
+StopReason = Literal["eos", "length", "max_total_tokens", "max_tool_calls", "abort", "tool_unavailable", ""]
+INFRA_FAILED: tuple[StopReason, ...] = ("abort", "tool_unavailable")
 TRUNCATED: tuple[StopReason, ...] = ("length", "max_total_tokens")  # the model was cut off
 
 

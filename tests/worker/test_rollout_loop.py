@@ -159,13 +159,34 @@ def test_errors_and_missing_code_are_tool_errors(tool):
     assert "no ```python block" in r.tool_calls[1].output
 
 
-def test_a_dead_executor_is_a_tool_error_not_a_hang():
+def test_a_dead_executor_ends_the_sample_as_an_infrastructure_failure_not_a_hang():
+    """The model did nothing wrong: the sample stops at the call (the model never reads an error it
+    did not cause) and is marked so its group is left out of training."""
     from toolrl.executor.client import AsyncExecutorClient
 
     dead = ExecutorTool(AsyncExecutorClient(f"http://127.0.0.1:{free_port()}", timeout_s=2, retries=1))
-    r = run(Script([(prog("print(1)"), STOP_MARKER), ("end", None)]), dead)
+    script = Script([(prog("print(1)"), STOP_MARKER), ("never asked for", None)])
+    r = run(script, dead)
     assert r.tool_calls[0].status == "unavailable" and "unavailable" in r.tool_calls[0].output
-    assert r.stop_reason == "eos"
+    assert r.stop_reason == "tool_unavailable" and set(r.loss_mask) == {1} and len(script.segments) == 1
+    r = run(Script([]), dead, pending="print(6 * 7)")  # the prefill's program as well
+    assert r.stop_reason == "tool_unavailable" and r.completion_ids == []
+
+
+def test_a_group_the_executor_could_not_serve_is_left_out_and_counted(tool):
+    from toolrl.executor.client import AsyncExecutorClient
+
+    problems = arithmetic_problems(1, seed=8, level=1)
+
+    async def answer(i, p, request_id, text):
+        return solve(p, text)
+
+    worker = demo_worker(tool, ByProblem(problems, answer), "rollout.group_size=2", "teacher.traces_per_group=1")
+    worker.agent.tool = ExecutorTool(AsyncExecutorClient(f"http://127.0.0.1:{free_port()}", timeout_s=2, retries=0))
+    group = run_worker(worker, lambda: worker.producer.rollout_group(problems[0]))
+    assert group is None
+    st = worker.stats_dict()
+    assert st["tool_unavailable_groups"] == 1 and st["samples"] == 0 and st["teacher_traces"] == 0
 
 
 def test_prefill_program_runs_first(tool):

@@ -20,7 +20,7 @@ from toolrl.grpo import group_advantages
 from toolrl.metrics import summarize
 from toolrl.models import load_tokenizer, resolve_model
 from toolrl.prompts import load_chat_prompt
-from toolrl.protocol import Sample
+from toolrl.protocol import INFRA_FAILED, Sample
 from toolrl.tasks import Problem
 from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
 from toolrl.worker.engine import VllmEngine
@@ -123,7 +123,7 @@ class Agent:
                 async with self.gated() as v:
                     gid = self.group_id(problem.id, "eval:")
                     rolls = await self.rollouts(self.prompt_ids(problem.question), gid, samples)
-                kept = [r for r in rolls if r.stop_reason != "abort"]
+                kept = [r for r in rolls if r.stop_reason not in INFRA_FAILED]  # not the model's doing
                 aborted += len(rolls) - len(kept)
                 try:
                     tests = await self.run_tests(problem, kept) if kept else None

@@ -3,8 +3,8 @@
 It draws problems from the task's seeded stream (toolrl.tasks), keeps `prompts_per_step` groups in
 flight, each of `group_size` rollouts by the agent, scores them, adds teacher traces, moves the
 curriculum on accuracy, and yields whole groups. A group that cannot be scored for a reason that is
-not the model's (an aborted rollout, an executor that is down) is left out and counted, never
-trained on as the model's failure.
+not the model's (an aborted rollout, a program or test run the executor could not do) is left out
+and counted, never trained on as the model's failure.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class Stats:
     failed_groups: int = 0
     teacher_traces: int = 0
     unscored_groups: int = 0  # code tasks whose tests the executor could not run
+    tool_unavailable_groups: int = 0  # a program the executor could not run: left out, not scored 0
     upload_waits: int = 0
     upload_wait_s: float = 0.0
     updates: int = 0
@@ -90,6 +91,10 @@ class Producer:
             rolls = await a.rollouts(prompt, gid, self.cfg.rollout.group_size)
         if any(r.stop_reason == "abort" for r in rolls):
             self.stats.aborted_groups += 1
+            return None
+        if any(r.stop_reason == "tool_unavailable" for r in rolls):
+            self.stats.tool_unavailable_groups += 1
+            log.warning("the executor could not run a program of %s; group left out of training", problem.id)
             return None
         try:
             tests = await a.run_tests(problem, rolls)

@@ -101,6 +101,10 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
     try:
         if pending_code is not None and tool is not None:
             call, ran = await tool.run(pending_code, session), True
+            if call.status == "unavailable":
+                r.tool_calls.append(call)
+                r.stop_reason = "tool_unavailable"
+                return r
             if not insert(call):
                 return r
         while True:
@@ -128,6 +132,10 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
                                 output="Error: no ```python block was found before this line.\n")
             else:
                 call, ran = await tool.run(code, session), True
+            if call.status == "unavailable":  # an infrastructure failure: the sample ends, unscored
+                r.tool_calls.append(call)
+                r.stop_reason = "tool_unavailable"
+                break
             if not insert(call, lead):
                 break
     finally:
@@ -137,7 +145,10 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
 
 
 class ExecutorTool:
-    """The executor service as the rollout's tool. A dead executor is a tool error, not a hang."""
+    """The executor service as the rollout's tool. What the executor could not run (down,
+    unreachable or busy through the client's bounded retries, or refusing the request) is status
+    `unavailable`: the rollout ends there and its group is left out of training, since the model
+    did nothing wrong. Timeouts, errors and limits of the program itself are the model's."""
 
     def __init__(self, client, timeout_s: float | None = None):
         self.client = client
