@@ -7,6 +7,9 @@
    `model(ids, labels=ids)` forward + backward + step on the same tokens. Ratio of tokens/s.
    The batch is GRPO groups sharing a prompt; the GRPO step runs each prompt once
    (learner.share_prompts) and, for comparison, once per row as the plain step does.
+   The GRPO step runs with updates_per_batch 1 and 2 side by side (tis_cap set, so the second
+   update's ratio is against pi_old, kept from the first pass: `second_update_ratio` is the second
+   update's time over the first's, at most about 1 when pi_old costs no extra forward).
 2. Weight sync, in the same run: a real gen worker (vLLM, idle) taking a full HTTP sync
    (learner-side `push_weights`: buckets streamed from the tensors' memory, written to /dev/shm
    as they arrive, loaded while the rest arrives) vs the same engine's in-place reload alone of
@@ -81,27 +84,38 @@ def bench_step(args) -> dict:
             engine.backward(out.loss, scale_wrt_gas=False)
         engine.step()
 
-    def grpo_step(share: bool):
+    base_grpo = cfg.grpo
+
+    def grpo_step(share: bool, updates: int = 1):
+        # updates_per_batch 1 and 2 both with tis_cap, so the second pass takes its ratio against
+        # pi_old (kept from the first pass's forward: no extra forward)
+        tr.cfg = cfg.model_copy(update={"grpo": base_grpo.model_copy(update={"updates_per_batch": updates,
+                                                                             "tis_cap": 2.0})})
         tr.share_prompts = share
         tr.train_step(batch)
 
     plain_step()
-    grpo_step(True)  # warm-up all three
+    grpo_step(True)  # warm-up all four
     grpo_step(False)
-    t_plain, t_grpo, t_packed = [], [], []
+    grpo_step(True, 2)
+    t_plain, t_grpo, t_packed, t_two = [], [], [], []
     for _ in range(args.repeats):
         for times, fn in ((t_plain, plain_step), (t_grpo, lambda: grpo_step(True)),
-                          (t_packed, lambda: grpo_step(False))):
+                          (t_packed, lambda: grpo_step(False)), (t_two, lambda: grpo_step(True, 2))):
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
         print(f"  plain {t_plain[-1]:.2f}s  grpo {t_grpo[-1]:.2f}s  grpo, every row its own prompt "
-              f"{t_packed[-1]:.2f}s", flush=True)
+              f"{t_packed[-1]:.2f}s  grpo, 2 updates {t_two[-1]:.2f}s", flush=True)
     res = {"step_tokens": tokens, "plain_tokens_per_s": round(tokens / min(t_plain), 1),
            "grpo_tokens_per_s": round(tokens / min(t_grpo), 1),
            "ratio_vs_fwd_bwd": round(min(t_plain) / min(t_grpo), 3),
            "ratio_unshared_vs_fwd_bwd": round(min(t_plain) / min(t_packed), 3),
            "prompt_sharing_speedup": round(min(t_packed) / min(t_grpo), 3), "dtype": args.dtype,
+           "step_s_updates_1": round(min(t_grpo), 3), "step_s_updates_2": round(min(t_two), 3),
+           # the second update against the first alone: at most 1 when it costs no more than its own
+           # forward and backward (pi_old is not recomputed)
+           "second_update_ratio": round((min(t_two) - min(t_grpo)) / min(t_grpo), 3),
            "threads": torch.get_num_threads()}
     named = tr.export_state(getattr(torch, resolve_dtype(cfg.model.dtype)))
     return res, named

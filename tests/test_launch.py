@@ -86,3 +86,25 @@ def test_checkpoints_and_export(run):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step000003"
     meta = json.loads((run_dir / "export" / "toolrl.json").read_text())
     assert meta == {"step": 3, "policy_version": 3}
+
+
+def test_a_bf16_run_end_to_end(tmp_path):
+    """The demo's dtype on hosts with native bf16, through the whole system: rollouts, the learner's
+    mixed precision and the sync all in bf16. The worker's logprobs match the export only to bf16's
+    arithmetic (docs/ARCHITECTURE.md, Precision), and still far better than the base model's."""
+    run_dir = tmp_path / "run"
+    ports = [f"executor.port={free_port()}", f"ref_server.port={free_port()}", f"rollout.port={free_port()}"]
+    sets = ports + ["model.dtype=bfloat16", "learner.dtype=bfloat16", "learner.steps=2", "eval.before_after=false"]
+    cmd = ["bash", "launch.sh", "--config", "configs/cpu_tiny.yaml", "--run-dir", str(run_dir), "--workers", "1"]
+    for s in sets:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, f"launch.sh failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["steps"] == 2 and s["policy_version"] == 2
+    rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["step_applied"] == 1.0 and r["loss"] == r["loss"] and abs(r["loss"]) < 1e3 for r in rows)
+    w = s["workers"][0]
+    assert w["policy_version"] == 2
+    assert w["probe_max_abs_diff_export"] < 0.5 and w["probe_max_abs_diff_base"] > 2 * w["probe_max_abs_diff_export"]

@@ -218,6 +218,18 @@ class GRPOConfig(Section):
     vllm_importance_sampling_clip_min: float | None = Field(None, ge=0)
     vllm_importance_sampling_clip_max: float | None = Field(3.0, gt=0)
     max_completion_len: int = Field(512, ge=1)  # the constant normaliser for dr_grpo
+    # Several optimizer steps per batch of rollouts (TRL's num_iterations, verl's PPO epochs): the batch
+    # is used updates_per_batch times, each time in mini_batches steps (groups kept whole). With an IS
+    # correction the clipped ratio is then against π_old, the learner's logprobs before the first step.
+    updates_per_batch: int = Field(1, ge=1)
+    mini_batches: int = Field(1, ge=1)
+    # DAPO's overlong filtering (TRL: mask_truncated_completions): cut-off policy samples are left out
+    # of the GRPO term and its normaliser
+    mask_truncated: bool = False
+    # DAPO's dynamic sampling: the learner leaves out groups without reward variance and draws more,
+    # until the batch is full or it has drawn max_draws batches' worth of samples
+    dynamic_sampling: bool = False
+    max_draws: int = Field(4, ge=1)
     w_grpo: float = Field(1.0, ge=0)
     w_teacher: float = Field(0.0, ge=0)
     w_self: float = Field(0.0, ge=0)

@@ -119,6 +119,134 @@ def test_resume_reproduces_the_next_step(tmp_path):
     assert b.train_step(batch(6))["loss"] == pytest.approx(expected, rel=1e-6)
 
 
+def state_of(tr):
+    """Weights, Adam's moments and the LR: everything a step depends on besides the data."""
+    opt = tr.engine.optimizer.optimizer if hasattr(tr.engine.optimizer, "optimizer") else tr.engine.optimizer
+    moments = [v.detach().clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    return dict(tr.export_state()), moments, tr.scheduler.get_last_lr()[0]
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    """fp32 on CPU: stopped at step 2 and resumed, a run is the uninterrupted run at step 4: the
+    weights, the optimizer's moments and the LR schedule's position (warmup then cosine decay)."""
+    sets = ("learner.steps=4", "learner.warmup_steps=2", "learner.lr_schedule=cosine")
+    data = [batch(20 + i) for i in range(4)]
+    a = make_trainer(*sets)
+    for b in data:
+        a.train_step(b)
+    first = make_trainer(*sets)
+    for b in data[:2]:
+        first.train_step(b)
+    first.save_checkpoint(tmp_path)
+    resumed = make_trainer(*sets)
+    assert resumed.load_checkpoint(tmp_path) and resumed.step == 2
+    for b in data[2:]:
+        resumed.train_step(b)
+    (wa, ma, lra), (wr, mr, lrr) = state_of(a), state_of(resumed)
+    assert lra == lrr and len(ma) == len(mr) > 0
+    for n in wa:
+        assert torch.allclose(wa[n], wr[n], rtol=0, atol=1e-6), n
+    for x, y in zip(ma, mr):
+        assert torch.allclose(x, y, rtol=0, atol=1e-6)
+
+
+def test_the_lr_schedule_warms_up_then_decays_per_learner_step():
+    from toolrl.learner.trainer import lr_lambda
+
+    cfg = make_cfg("learner.steps=10", "learner.warmup_steps=2", "learner.lr_schedule=cosine")
+    f = lr_lambda(cfg)
+    assert [f(s) for s in range(3)] == pytest.approx([0.5, 1.0, 1.0])
+    assert f(6) == pytest.approx(0.5 * (1 + math.cos(math.pi * 4 / 8)))  # half way through the decay
+    assert f(10) == pytest.approx(0.0, abs=1e-12)
+    lin = lr_lambda(make_cfg("learner.steps=10", "learner.lr_schedule=linear"))
+    assert [lin(s) for s in (0, 5, 10)] == pytest.approx([1.0, 0.5, 0.0])
+    # a batch of two updates in two mini-batches takes four optimizer steps, all at its step's LR
+    four = lr_lambda(make_cfg("learner.steps=10", "learner.warmup_steps=2", "grpo.updates_per_batch=2",
+                              "grpo.mini_batches=2"))
+    assert [four(s) for s in range(9)] == pytest.approx([0.5] * 4 + [1.0] * 5)
+    tr = make_trainer("learner.steps=10", "learner.warmup_steps=2", "grpo.updates_per_batch=2")
+    lrs = [tr.train_step(batch(30 + i))["lr"] for i in range(3)]
+    assert lrs == pytest.approx([2e-3, 2e-3, 2e-3])  # the LR after each batch's last update: step 1 of warmup done
+
+
+def test_a_step_raises_positive_advantage_tokens_and_lowers_negative_ones():
+    """One real step, GRPO alone, on-policy: every sample's generated tokens become more likely where
+    its advantage is positive and less likely where it is negative (a flipped sign fails this)."""
+    tr = make_trainer("learner.lr=1e-3")
+    b = batch(40, on_policy_model=tr.module)
+    before = sample_logprobs(tr.module, b, temperature=1.0)
+    tr.train_step(b)
+    after = sample_logprobs(tr.module, b, temperature=1.0)
+    for s, x, y in zip(b, before, after):
+        gen = [i for i, m in enumerate(s.loss_mask) if m]
+        change = sum(y[i] - x[i] for i in gen)
+        assert change * s.advantage > 0, (s.advantage, change)
+
+
+def test_the_entropy_bonus_raises_entropy():
+    """With zero advantages the only gradient is the entropy term's: a step must raise the mean
+    entropy of the sampled positions (a reversed sign lowers it)."""
+    def entropy_after(coef):
+        tr = make_trainer("learner.lr=1e-2", f"grpo.entropy_coef={coef}")
+        b = [s.model_copy(update={"advantage": 0.0}) for s in batch(41, on_policy_model=tr.module)]
+        first = tr.train_step(b)["entropy"]
+        return first, tr.train_step(b)["entropy"]
+
+    e0, e1 = entropy_after(0.5)
+    assert e1 > e0 + 1e-4
+
+
+def test_the_first_on_policy_step_has_ratio_one_in_fp32():
+    tr = make_trainer()
+    m = tr.train_step(batch(42, on_policy_model=tr.module))
+    assert abs(m["ratio_max"] - 1) < 1e-4 and abs(m["ratio_min"] - 1) < 1e-4 and m["clip_frac"] == 0.0
+
+
+def test_several_updates_per_batch_clip_against_pi_old():
+    """updates_per_batch 2 with tis_cap: two optimizer steps on the batch; the first is the single-
+    update step (ratio 1 against pi_old, which equals the current weights), the second is taken
+    against pi_old kept from the first (ratios move, and clip-higher can act)."""
+    one = make_trainer("grpo.tis_cap=2.0", "learner.lr=5e-2")
+    two = make_trainer("grpo.tis_cap=2.0", "learner.lr=5e-2", "grpo.updates_per_batch=2")
+    b = batch(43, on_policy_model=one.module)
+    m1, m2 = one.train_step(b), two.train_step(b)
+    assert m1["optimizer_steps"] == 1 and m2["optimizer_steps"] == 2
+    assert m1["ratio_min"] == pytest.approx(1.0, abs=1e-5) and m1["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert m1["clip_frac"] == 0.0
+    assert m2["ratio_max"] > 1.01 and m2["ratio_min"] < 0.99 and m2["clip_frac"] > 0
+
+
+def test_mini_batches_take_pi_old_from_before_the_first_update():
+    """Two mini-batches in one update: the second mini-batch's ratios are against the weights before
+    the first mini-batch's step (so they already move), not against the weights it meets."""
+    tr = make_trainer("grpo.tis_cap=2.0", "learner.lr=5e-2", "grpo.mini_batches=2")
+    m = tr.train_step(batch(44, n_groups=2, on_policy_model=tr.module))
+    assert m["optimizer_steps"] == 2 and (m["ratio_max"] > 1.0 + 1e-3 or m["ratio_min"] < 1.0 - 1e-3)
+
+
+def test_overlong_filtering_leaves_truncated_samples_out_of_the_grpo_term():
+    b = batch(45)
+    cut = [s.model_copy(update={"stop_reason": "length"}) if i % 4 == 0 else s for i, s in enumerate(b)]
+    a, kept = make_trainer("grpo.mask_truncated=true"), make_trainer("grpo.mask_truncated=true")
+    m = a.train_step(cut)
+    kept.train_step([s for i, s in enumerate(b) if i % 4 != 0])  # the same step without them
+    assert m["truncated_masked"] == 2
+    wa, wk = dict(a.export_state()), dict(kept.export_state())
+    for n in wa:
+        assert torch.allclose(wa[n], wk[n], rtol=0, atol=1e-6), n
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal():
+    from toolrl.learner.batching import with_signal
+
+    b = batch(46, n_groups=3)
+    flat = [s.model_copy(update={"reward": 1.0}) if s.group_id.endswith("-1") else s for s in b]
+    teacher = flat[4].model_copy(update={"source": "teacher"})  # of the flat group: kept for its SFT term
+    kept, dropped = with_signal(flat + [teacher])
+    assert dropped == 4 and {s.group_id for s in kept if s.source == "policy"} == {b[0].group_id, b[8].group_id}
+    assert teacher in kept
+
+
 def test_teacher_and_self_sft_terms():
     tr = make_trainer("grpo.w_teacher=0.5", "grpo.w_self=0.25")
     b = batch(7)
@@ -180,6 +308,7 @@ def test_time_budget_stops_before_a_step_that_would_overrun_it():
 RANK_MAIN = """
 import json, os, sys
 sys.path[:0] = ["tests", "tests/learner"]
+from safetensors.torch import save_file
 from test_trainer import batch, make_cfg
 from toolrl.models import resolve_model
 from toolrl.learner.trainer import Trainer
@@ -188,21 +317,27 @@ rank = int(os.environ["RANK"])
 tr = Trainer(make_cfg("learner.micro_batch_tokens=64", "learner.zero_stage=2"), resolve_model("tiny-random"))
 sig = lambda: [float(t.double().abs().sum()) for _, t in tr.export_state()]
 before = sig()
-m = [tr.train_step(batch(10 + rank, n_groups=1 if rank == 0 else 3)) for _ in range(2)]
+m = [tr.train_step(batch(10 + 10 * s + rank, n_groups=1 if rank == 0 else 3)) for s in range(2)]
+if rank == 0:
+    save_file(dict(tr.export_state()), sys.argv[1])
+acc = 0.25 if rank == 0 else 0.75
 print(json.dumps({"micro": [x["micro_batches"] for x in m], "applied": [x["step_applied"] for x in m],
-                  "before": before, "after": sig()}))
+                  "before": before, "after": sig(), "mean_acc": tr.all_mean(acc, 4 if rank == 0 else 12)}))
 """
 
 
-def test_two_ranks_with_unequal_micro_batches_step_together(tmp_path):
-    """Two learner ranks (DeepSpeed ZeRO-2 over gloo) whose batches split into different numbers of
-    micro-batches: ZeRO-2 reduces gradients inside every backward pass, so unequal counts pair
-    mismatched collectives (without the padding a rank aborts). Both must finish, apply both steps,
-    and agree on the weights."""
+def test_two_ranks_with_unequal_shares_step_as_one_rank_on_the_whole_batch(tmp_path):
+    """Two learner ranks (DeepSpeed ZeRO-2 over gloo), one with 1 group and one with 3, so their
+    shares differ in samples, tokens and micro-batches: both must finish and apply both steps (ZeRO-2
+    reduces inside every backward, so unequal micro-batch counts are padded), and the weights must be
+    those of one rank stepping on the whole batch: the loss is normalised by the whole batch's counts,
+    not averaged over the ranks' own means. The teacher weight's accuracy is agreed the same way."""
     import json
     import os
     import subprocess
     import sys
+
+    from safetensors.torch import load_file
 
     port = str(free_port())
     procs = []
@@ -210,7 +345,8 @@ def test_two_ranks_with_unequal_micro_batches_step_together(tmp_path):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
         with open(tmp_path / f"rank{rank}.out", "w") as out, open(tmp_path / f"rank{rank}.log", "w") as err:
-            procs.append(subprocess.Popen([sys.executable, "-c", RANK_MAIN], env=env, stdout=out, stderr=err))
+            procs.append(subprocess.Popen([sys.executable, "-c", RANK_MAIN, str(tmp_path / "two.safetensors")],
+                                          env=env, stdout=out, stderr=err))
     try:
         for p in procs:
             p.wait(timeout=600)
@@ -224,6 +360,17 @@ def test_two_ranks_with_unequal_micro_batches_step_together(tmp_path):
     assert r0["applied"] == r1["applied"] == [1.0, 1.0]
     assert r0["before"] == r1["before"] and r0["after"] != r0["before"]
     assert r0["after"] == pytest.approx(r1["after"], rel=1e-6)
+    assert r0["mean_acc"] == r1["mean_acc"] == pytest.approx((0.25 * 4 + 0.75 * 12) / 16)
+
+    one = make_trainer("learner.micro_batch_tokens=64", "learner.zero_stage=2")
+    start = dict(one.export_state())
+    for s in range(2):
+        one.train_step(batch(10 + 10 * s, n_groups=1) + batch(11 + 10 * s, n_groups=3))
+    two = load_file(str(tmp_path / "two.safetensors"))
+    for n, t1 in one.export_state():
+        update = (t1 - start[n]).abs().max().item()
+        assert update > 1e-4, n
+        assert (t1 - two[n]).abs().max().item() <= 1e-2 * update, n
 
 
 def test_zero3_steps_as_zero2_does_and_exports_whole_weights():

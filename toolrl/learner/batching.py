@@ -1,6 +1,8 @@
-"""Micro-batches: a batch split so each forward/backward stays within a token budget."""
+"""How a batch is cut: into mini-batches (one optimizer step each) and micro-batches (one
+forward/backward each, within a token budget); and which groups of it carry a learning signal."""
 from __future__ import annotations
 
+from toolrl.grpo import zero_variance
 from toolrl.protocol import Sample
 
 
@@ -48,3 +50,31 @@ def micro_batches(samples: list[Sample], token_budget: int, share_prompts: bool 
     if cur:
         out.append(cur)
     return out
+
+
+def split_mini_batches(samples: list[Sample], n: int) -> list[list[Sample]]:
+    """`n` mini-batches of about equal numbers of samples, each group whole (its samples share a
+    prompt and a baseline), in the batch's order; fewer when there are fewer groups."""
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    out: list[list[Sample]] = [[]]
+    target = len(samples) / max(1, n)
+    for g in groups.values():
+        if out[-1] and len(out) < n and len(out[-1]) + len(g) / 2 > target:
+            out.append([])
+        out[-1] += g
+    return out
+
+
+def with_signal(samples: list[Sample]) -> tuple[list[Sample], int]:
+    """DAPO's dynamic sampling: the batch without the policy samples of groups whose rewards are all
+    equal (their advantages are zero: no GRPO signal). Teacher traces stay (they carry the SFT term).
+    Returns (kept, dropped policy samples)."""
+    rewards: dict[str, list[float]] = {}
+    for s in samples:
+        if s.source == "policy":
+            rewards.setdefault(s.group_id, []).append(s.reward)
+    flat = {g for g, r in rewards.items() if zero_variance(r)}
+    kept = [s for s in samples if s.source != "policy" or s.group_id not in flat]
+    return kept, len(samples) - len(kept)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from toolrl.config import Config
+from toolrl.learner.batching import with_signal
 from toolrl.learner.monitor import Monitor
 from toolrl.learner.trainer import Trainer, out_of_time
 from toolrl.metrics import batch_stats
@@ -85,20 +86,29 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
                 print(f"time budget: {t0 - train_t0:.0f}s of {cfg.learner.time_budget_s:.0f}s used, and a step "
                       f"takes {last_step_s:.0f}s; stopping after step {trainer.step}", flush=True)
             break
-        # A step trains on a full batch (batch_samples): pieces are gathered until it is full.
+        # A step trains on a full batch (batch_samples): pieces are gathered until it is full. With
+        # dynamic sampling (DAPO) groups without reward variance are left out and more are drawn,
+        # up to max_draws batches' worth of samples.
         want, budget = max(1, cfg.learner.batch_samples // world), cfg.learner.batch_tokens // world
-        batch, deadline = [], t0 + cfg.learner.batch_timeout_s
+        batch, deadline, drawn, dropped = [], t0 + cfg.learner.batch_timeout_s, 0, 0
         while len(batch) < want:
             if time.time() > deadline:
                 raise SystemExit(f"{len(batch)}/{want} samples from {cfg.ref_server.url} within "
                                  f"{cfg.learner.batch_timeout_s:.0f}s")
+            if cfg.grpo.dynamic_sampling and batch and drawn >= cfg.grpo.max_draws * want:
+                break  # drawn enough: train on the groups with signal found so far
             if rank0:
                 sync.catch_up(state, trainer.version)
             used = sum(len(s.prompt_ids) + len(s.completion_ids) for s in batch)
             if batch and used >= budget:
                 break  # the token budget is full before the sample count
-            batch += ref.get_batch(want - len(batch), budget - used, wait_s=min(10.0, cfg.ref_server.batch_wait_s),
-                                   min_samples=want - len(batch)) or []
+            piece = ref.get_batch(want - len(batch), budget - used, wait_s=min(10.0, cfg.ref_server.batch_wait_s),
+                                  min_samples=want - len(batch)) or []
+            drawn += len(piece)
+            if cfg.grpo.dynamic_sampling:
+                piece, n = with_signal(piece)
+                dropped += n
+            batch += piece
         t1 = time.time()
         w_teacher = cfg.grpo.w_teacher
         if cfg.teacher.decay_at_accuracy is not None and acc_ema is not None:
@@ -118,9 +128,11 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
             with open(log_dir / "samples.jsonl", "a") as f:
                 for s in batch:
                     f.write(json.dumps(sample_record(s, step=trainer.step)) + "\n")
-        metrics.update(batch_stats(batch, trainer.version))
+        metrics.update(batch_stats(batch, trainer.version), dynamic_sampling_dropped=dropped, samples_drawn=drawn)
+        # every rank decays the teacher weight by the same accuracy: that of the whole batch
+        acc = trainer.all_mean(metrics["accuracy"], sum(s.source == "policy" for s in batch))
         a = cfg.teacher.ema
-        acc_ema = metrics["accuracy"] if acc_ema is None else a * acc_ema + (1 - a) * metrics["accuracy"]
+        acc_ema = acc if acc_ema is None else a * acc_ema + (1 - a) * acc
         last_step_s = time.time() - t0
         metrics.update(time_wait_s=t1 - t0, time_compute_s=t2 - t1, time_sync_s=t3 - t2, step_time_s=last_step_s,
                        policy_version=trainer.version, workers_ok=synced.get("workers_ok", 0),

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from toolrl.config import Config
-from toolrl.learner.batching import micro_batches
+from toolrl.learner.batching import micro_batches, split_mini_batches
 from toolrl.learner.housekeeping import clear_stale_op_locks, clear_stale_shm_buffers
 from toolrl.grpo import BatchCounts, Role, grpo_loss, sample_roles, sft_loss
 from toolrl.logprobs import completion_logprobs, pack_samples, shared_prompt_logprobs
 from toolrl.models import resolve_dtype
-from toolrl.protocol import Sample
+from toolrl.protocol import TRUNCATED, Sample
 
 
 def out_of_time(budget_s: float | None, elapsed_s: float, last_step_s: float) -> bool:
@@ -36,10 +36,14 @@ def out_of_time(budget_s: float | None, elapsed_s: float, last_step_s: float) ->
     return budget_s is not None and elapsed_s + last_step_s > budget_s
 
 
-def _lr_lambda(cfg: Config):
+def lr_lambda(cfg: Config):
+    """The LR factor at an optimizer step. Warmup and decay count learner steps (batches); a batch
+    takes updates_per_batch * mini_batches optimizer steps, all at its learner step's LR."""
     warm, total, kind = cfg.learner.warmup_steps, max(1, cfg.learner.steps), cfg.learner.lr_schedule
+    per_batch = cfg.grpo.updates_per_batch * cfg.grpo.mini_batches
 
-    def f(step: int) -> float:
+    def f(opt_step: int) -> float:
+        step = opt_step // per_batch
         if warm and step < warm:
             return (step + 1) / warm
         if kind == "constant":
@@ -75,7 +79,7 @@ class Trainer:
                                                      target_modules=lc.lora.target_modules, task_type="CAUSAL_LM"))
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,  # we mark the accumulation boundary ourselves
@@ -95,6 +99,7 @@ class Trainer:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         self.step = 0
         self.version = 0
+        self._old: dict | None = None  # pi_old by sample, while a batch of several steps is trained
         self.samples_seen = 0
         self.skipped_steps = 0
 
@@ -110,47 +115,92 @@ class Trainer:
         """True on every rank if it is on any: ranks must stop (or not) together."""
         return bool(self._all_reduce(float(flag), "max"))
 
-    def _all_reduce(self, x: float, op: str) -> float:
-        """x reduced over the ranks with "max" or "min" (itself when there is one rank)."""
-        import torch.distributed as dist  # lazy: set up by DeepSpeed, used only with several ranks
+    @property
+    def world_size(self) -> int:
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    def _all_reduce(self, x: float, op: str) -> float:
+        """x reduced over the ranks with "max", "min" or "sum" (itself when there is one rank)."""
+        if self.world_size == 1:
             return x
-        t = torch.tensor([x], dtype=torch.float32, device=next(self.module.parameters()).device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+        dist = torch.distributed
+        t = torch.tensor([x], dtype=torch.float64, device=next(self.module.parameters()).device)
+        dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}[op])
         return float(t.item())
+
+    def all_mean(self, x: float, weight: float) -> float:
+        """The `weight`-weighted mean of x over the ranks, the same on every rank (e.g. a batch's
+        accuracy, which drives the teacher weight's decay: every rank must train with the same weight)."""
+        return self._all_reduce(x * weight, "sum") / max(1e-12, self._all_reduce(weight, "sum"))
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, samples: list[Sample], w_teacher: float | None = None) -> dict[str, float]:
-        """One optimizer step on a batch. `w_teacher` overrides grpo.w_teacher (its decay schedule)."""
-        cfg, g = self.cfg, self.cfg.grpo
+        """One batch: `grpo.updates_per_batch` passes over it (TRL's num_iterations, verl's PPO
+        epochs), each in `grpo.mini_batches` optimizer steps; one step by default. `w_teacher`
+        overrides grpo.w_teacher (its decay schedule).
+
+        With an IS correction and more than one step per batch, the clipped ratio is taken against
+        pi_old, the learner's logprobs before the batch's first update: the first mini-batch's are
+        kept from its own first forward, the others' come from one no-grad pass before any update,
+        and every later pass reuses them (toolrl.grpo explains the ratio in each mode)."""
+        g = self.cfg.grpo
         self.weights = {"grpo": g.w_grpo, "teacher": g.w_teacher if w_teacher is None else w_teacher, "self": g.w_self}
         t0 = time.time()
         self.engine.train()
         # Each sample's roles, kept by identity across the length sort.
         roles = {id(s): r for s, r in zip(samples, sample_roles(samples, self.weights["self"] > 0))}
-        counts = [BatchCounts(sum(1 for s in samples if roles[id(s)][r]),
-                              sum(sum(s.loss_mask) for s in samples if roles[id(s)][r])) for r in Role]
+        masked = 0
+        if g.mask_truncated:  # overlong filtering (DAPO): a cut-off policy sample is no GRPO sample
+            for s in samples:
+                if roles[id(s)][Role.GRPO] and s.stop_reason in TRUNCATED:
+                    roles[id(s)] = (False, *roles[id(s)][1:])
+                    masked += 1
+        minis = split_mini_batches(samples, g.mini_batches)
+        corrected = g.tis_cap is not None or g.vllm_importance_sampling_correction
+        self._old = {} if corrected and (g.updates_per_batch > 1 or len(minis) > 1) else None
+        if self._old is not None and len(minis) > 1:
+            self._fill_old([s for mini in minis[1:] for s in mini if self._contributes(s, roles[id(s)])], roles)
+        sums: dict[str, float] = defaultdict(float)
+        sums["ratio_max"], sums["ratio_min"] = -math.inf, math.inf
+        done = {"micro": 0, "skipped_micro": 0, "steps": 0, "applied": 0, "no_signal": 0}
+        for _ in range(g.updates_per_batch):
+            for mini in minis:
+                self._optimizer_step(mini, roles, sums, done)
+        self._old = None
+        self.step += 1
+        self.samples_seen += len(samples)
+        out = self._metrics(sums, samples, roles, done, time.time() - t0)
+        out["samples_no_signal"] = done["no_signal"] / max(1, g.updates_per_batch)
+        out["truncated_masked"] = masked
+        return out
+
+    def _optimizer_step(self, samples: list[Sample], roles: dict, sums: dict, done: dict) -> None:
+        """One optimizer step on `samples`, accumulated over micro-batches, normalised by the counts of
+        these samples on every rank together (ZeRO averages gradients across ranks, so each rank's
+        loss is scaled by the world size: the step is the one the union of the ranks' samples gives)."""
+        counts = [BatchCounts(int(self._all_reduce(sum(1 for s in samples if roles[id(s)][r]), "sum")),
+                              int(self._all_reduce(sum(sum(s.loss_mask) for s in samples if roles[id(s)][r]), "sum")))
+                  for r in Role]
+        world = self.world_size
         # The normalisers above count every sample; the forward/backward runs only on samples whose
         # loss is not identically zero, which leaves the gradient exactly as it was.
         trained = [s for s in samples if self._contributes(s, roles[id(s)])] or samples[:1]
-        mbs = micro_batches(trained, cfg.learner.micro_batch_tokens, self.share_prompts)
-        sums: dict[str, float] = defaultdict(float)
-        sums["ratio_max"], sums["ratio_min"] = -math.inf, math.inf
-        skipped_micro = 0
+        done["no_signal"] += len(samples) - len(trained)
+        mbs = micro_batches(trained, self.cfg.learner.micro_batch_tokens, self.share_prompts)
         # ZeRO-2 reduces gradients across ranks inside every backward pass, so all ranks run the same
         # number of them (a rank with fewer micro-batches adds zero-weighted copies of its first)
         # and drop a micro-step together when any rank's loss is not finite.
         n = int(self._all_reduce(len(mbs), "max"))
+        skipped = 0
         for k in range(n):
             pad = k >= len(mbs)
             mb = mbs[0] if pad else mbs[k]
             self.engine.set_gradient_accumulation_boundary(k == n - 1)
             loss, m = self._micro_loss(mb, counts, roles)
             if not self._all_reduce(float(torch.isfinite(loss)), "min"):
-                skipped_micro += 1
+                skipped += 1
                 continue
-            self.engine.backward(loss * 0.0 if pad else loss, scale_wrt_gas=False)
+            self.engine.backward(loss * 0.0 if pad else loss * world, scale_wrt_gas=False)
             if pad:
                 continue
             for key, v in m.items():
@@ -160,7 +210,7 @@ class Trainer:
                     sums[key] = min(sums[key], float(v))
                 else:
                     sums[key] += float(v)
-        if skipped_micro == n:
+        if skipped == n:
             self.engine.optimizer.zero_grad(set_to_none=True)
             applied = False
         else:
@@ -168,11 +218,10 @@ class Trainer:
             applied = self.engine.was_step_applied()
         if not applied:
             self.skipped_steps += 1
-        self.step += 1
-        self.samples_seen += len(samples)
-        out = self._metrics(sums, samples, counts, mbs, skipped_micro, applied, time.time() - t0)
-        out["samples_no_signal"] = len(samples) - len(trained)
-        return out
+        done["micro"] += len(mbs)
+        done["skipped_micro"] += skipped
+        done["steps"] += 1
+        done["applied"] += applied
 
     def _contributes(self, s: Sample, role: tuple[bool, bool, bool]) -> bool:
         """Whether a sample adds anything to the loss: an SFT role with a nonzero weight, or a policy
@@ -183,16 +232,39 @@ class Trainer:
             return True
         return role[Role.GRPO] and w["grpo"] > 0 and (s.advantage != 0 or g.beta > 0 or g.entropy_coef > 0)
 
+    def _logprobs(self, mb: list[Sample], packed) -> tuple[torch.Tensor, torch.Tensor]:
+        lc = self.cfg.learner
+        if self.share_prompts:
+            return shared_prompt_logprobs(self.module, mb, temperature=self.cfg.rollout.temperature,
+                                          chunk_rows=lc.logprob_chunk, with_entropy=True, pad_id=self.pad_id)
+        return completion_logprobs(self.module, packed, temperature=self.cfg.rollout.temperature,
+                                   chunk_rows=lc.logprob_chunk, with_entropy=True)
+
+    @torch.no_grad()
+    def _fill_old(self, samples: list[Sample], roles: dict) -> None:
+        """pi_old of `samples` (their policy tokens' logprobs under the weights before any update of
+        this batch), in one no-grad pass."""
+        device = next(self.module.parameters()).device
+        mbs = micro_batches([s for s in samples if roles[id(s)][Role.GRPO]], self.cfg.learner.micro_batch_tokens,
+                            self.share_prompts)
+        # every rank runs as many forwards (ZeRO-3 gathers parameters inside each)
+        for k in range(int(self._all_reduce(len(mbs), "max"))):
+            mb = mbs[k] if k < len(mbs) else mbs[:1][0] if mbs else None
+            if mb is None:
+                continue
+            logp, _ = self._logprobs(mb, pack_samples(mb, pad_id=self.pad_id, device=device))
+            if k < len(mbs):
+                self._keep_old(mb, logp)
+
+    def _keep_old(self, mb: list[Sample], logp: torch.Tensor) -> None:
+        for i, s in enumerate(mb):
+            self._old[id(s)] = logp[i, : len(s.completion_ids)].detach().float().clone()
+
     def _micro_loss(self, mb: list[Sample], counts: list[BatchCounts], roles: dict) -> tuple[torch.Tensor, dict]:
-        g, lc = self.cfg.grpo, self.cfg.learner
+        g = self.cfg.grpo
         device = next(self.module.parameters()).device
         packed = pack_samples(mb, pad_id=self.pad_id, device=device)
-        if self.share_prompts:
-            logp, entropy = shared_prompt_logprobs(self.module, mb, temperature=self.cfg.rollout.temperature,
-                                                   chunk_rows=lc.logprob_chunk, with_entropy=True, pad_id=self.pad_id)
-        else:
-            logp, entropy = completion_logprobs(self.module, packed, temperature=self.cfg.rollout.temperature,
-                                                chunk_rows=lc.logprob_chunk, with_entropy=True)
+        logp, entropy = self._logprobs(mb, packed)
         B, C = logp.shape
         role = torch.tensor([roles[id(s)] for s in mb], dtype=torch.float32, device=device)
         loss_mask = packed.loss_mask.to(device)
@@ -211,8 +283,16 @@ class Trainer:
         if role[:, Role.GRPO].any() and w["grpo"] > 0:
             ref = per_token("ref_logprobs") if g.beta > 0 and all(s.ref_logprobs is not None for s in mb) else None
             adv = torch.tensor([s.advantage for s in mb], dtype=torch.float32, device=device)
+            old = None
+            if self._old is not None:
+                if not all(id(s) in self._old for s in mb if roles[id(s)][Role.GRPO]):
+                    self._keep_old(mb, logp)  # the first forward of this batch: these are pi_old
+                old = torch.zeros((B, C), dtype=torch.float32, device=device)
+                for i, s in enumerate(mb):
+                    if id(s) in self._old:
+                        old[i, : len(s.completion_ids)] = self._old[id(s)]
             loss, metrics = grpo_loss(logp, per_token("logprobs"), adv, loss_mask * role[:, Role.GRPO, None], g,
-                                      counts[Role.GRPO], ref_logp=ref, entropy=entropy)
+                                      counts[Role.GRPO], ref_logp=ref, entropy=entropy, old_logp=old)
             total = total + w["grpo"] * loss
             metrics["loss_grpo"] = loss.detach()
         for r, name in ((Role.TEACHER, "teacher"), (Role.SELF, "self")):
@@ -224,9 +304,13 @@ class Trainer:
         metrics["tokens_real"] = torch.tensor(float(packed.num_tokens))
         return total, metrics
 
-    def _metrics(self, sums, samples, counts, mbs, skipped_micro, applied, step_s) -> dict[str, float]:
+    def _metrics(self, sums, samples, roles, done, step_s) -> dict[str, float]:
+        """Averages over the batch's optimizer steps (the losses are summed per step, so divided by them)."""
         toks = max(1.0, sums.get("tokens", 0.0))
-        w = self.weights
+        w, steps = self.weights, max(1, done["steps"])
+        for key in ("loss_grpo", "loss_sft_teacher", "loss_sft_self"):
+            sums[key] = sums.get(key, 0.0) / steps
+        applied = done["applied"] > 0
         out = {
             "loss": sums.get("loss_grpo", 0.0) * w["grpo"] + sums.get("loss_sft_teacher", 0.0) * w["teacher"]
             + sums.get("loss_sft_self", 0.0) * w["self"],
@@ -238,20 +322,22 @@ class Trainer:
             "entropy": sums.get("entropy_sum", 0.0) / toks,
             "clip_frac": sums.get("clip_sum", 0.0) / toks,
             "ratio_mean": sums.get("ratio_sum", 0.0) / toks,
+            "mis_masked_tokens": sums.get("mis_masked_tokens", 0.0),
             "ratio_max": sums["ratio_max"] if sums["ratio_max"] > -math.inf else 1.0,
             "ratio_min": sums["ratio_min"] if sums["ratio_min"] < math.inf else 1.0,
             "grad_norm": float(self.engine.get_global_grad_norm() or 0.0) if applied else float("nan"),
             "lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.cfg.learner.lr,
-            "micro_batches": len(mbs),
-            "skipped_micro_batches": skipped_micro,
-            "step_applied": float(applied),
+            "micro_batches": done["micro"],
+            "skipped_micro_batches": done["skipped_micro"],
+            "optimizer_steps": done["steps"],
+            "step_applied": done["applied"] / steps,
             "skipped_steps": self.skipped_steps,
             "compute_s": step_s,
             "train_tokens": sums.get("tokens_real", 0.0),
             "padding_frac": 1 - sums.get("tokens_real", 0.0) / max(1.0, sums.get("tokens_padded", 0.0)),
             "tokens_per_s": sums.get("tokens_real", 0.0) / max(1e-9, step_s),
-            "sft_samples_teacher": counts[1].sequences,
-            "sft_samples_self": counts[2].sequences,
+            "sft_samples_teacher": sum(1 for s in samples if roles[id(s)][Role.TEACHER]),
+            "sft_samples_self": sum(1 for s in samples if roles[id(s)][Role.SELF]),
         }
         return out
 
