@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from toolrl.config import GRPOConfig
-from toolrl.grpo import (AGGREGATION, POLICY_LOSSES, BatchCounts, Role, group_advantages, grpo_loss, sample_roles,
-                         sft_loss, zero_variance)
+from toolrl.grpo import (AGGREGATION, POLICY_LOSSES, BatchCounts, Role, group_advantages, grpo_loss, is_correction,
+                         sample_roles, sft_loss, zero_variance)
 from toolrl.protocol import Sample
 
 # Two sequences, four completion positions. Sequence 0: tokens 0-2 generated, 3 is tool output.
@@ -171,15 +171,6 @@ OLD = [[-1.3, -0.45, -1.9, float("nan")], [-0.5, float("nan"), -1.2, float("nan"
 ENT = [[0.7, 1.1, 0.2, 5.0], [0.4, 5.0, 0.9, 5.0]]
 
 
-def correction_of(cfg):
-    if cfg.tis_cap is not None:
-        return "token_truncate", None, cfg.tis_cap
-    if cfg.vllm_importance_sampling_correction:
-        return (cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_min,
-                cfg.vllm_importance_sampling_clip_max)
-    return None
-
-
 def clamp(x, lo, hi):
     if lo is not None and x < lo:
         return lo
@@ -195,7 +186,7 @@ def inside(x, lo, hi):
 def reference_full(cfg, logp, old=None, with_ref=False, with_ent=False):
     """(loss, tokens clipped, tokens masked by the IS correction), term by term over 0-d elements of the
     leaf `logp`, so that autograd on the result is the reference gradient. Constants are Python floats."""
-    corr = correction_of(cfg)
+    corr = is_correction(cfg)
     lo_eps, hi_eps = 1 - cfg.epsilon_low, 1 + cfg.epsilon_high
     total, per_seq, n_clip, n_masked = torch.zeros((), dtype=torch.float64), [], 0, 0
     for b in range(2):
@@ -318,7 +309,7 @@ def test_value_gradient_and_counts_match_the_reference(loss, mode, extras):
     assert loss_v.item() == pytest.approx(expect.item(), rel=1e-12, abs=1e-15)
     assert torch.allclose(logp.grad, leaf.grad, rtol=1e-10, atol=1e-14), (logp.grad, leaf.grad)
     assert m["clip_sum"].item() == n_clip
-    assert ("mis_masked_tokens" in m) == (correction_of(cfg) is not None)
+    assert ("mis_masked_tokens" in m) == (is_correction(cfg) is not None)
     assert m.get("mis_masked_tokens", torch.tensor(0.0)).item() == n_masked
     assert m["tokens"].item() == 5 and m["ratio_max"].item() == pytest.approx(math.exp(0.5))
 

@@ -20,17 +20,6 @@ TEMP = 0.7
 
 
 @pytest.fixture(scope="module")
-def executor(tmp_path_factory):
-    port = free_port()
-    ex = Proc("executor", ["executor_service.py", "--port", str(port)], tmp_path_factory.mktemp("executor"))
-    try:
-        ex.wait_http(f"http://127.0.0.1:{port}/health", 60)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        ex.stop()
-
-
-@pytest.fixture(scope="module")
 def stack(tmp_path_factory, executor):
     d = tmp_path_factory.mktemp("genworker")
     ex_port, ref_port, w_port = int(executor.rsplit(":", 1)[1]), free_port(), free_port()

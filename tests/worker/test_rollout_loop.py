@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import Proc, free_port  # tests/ is on sys.path (conftest)
+from procs import free_port  # tests/ is on sys.path (conftest)
 from toolrl.config import RolloutConfig
 from toolrl.format import STOP_MARKER, format_tool_result
 from toolrl.models import load_tokenizer
@@ -20,16 +20,10 @@ TOK = load_tokenizer("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")
-def tool(tmp_path_factory):
+def tool(executor):
     from toolrl.executor.client import AsyncExecutorClient
 
-    port = free_port()
-    p = Proc("executor", ["executor_service.py", "--port", str(port)], tmp_path_factory.mktemp("ex"))
-    try:
-        p.wait_http(f"http://127.0.0.1:{port}/health", 60)
-        yield lambda: ExecutorTool(AsyncExecutorClient(f"http://127.0.0.1:{port}"), timeout_s=5)
-    finally:
-        p.stop()
+    return lambda: ExecutorTool(AsyncExecutorClient(executor), timeout_s=5)
 
 
 class Script:

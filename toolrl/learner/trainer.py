@@ -247,11 +247,10 @@ class Trainer:
         device = next(self.module.parameters()).device
         mbs = micro_batches([s for s in samples if roles[id(s)][Role.GRPO]], self.cfg.learner.micro_batch_tokens,
                             self.share_prompts)
-        # every rank runs as many forwards (ZeRO-3 gathers parameters inside each)
-        for k in range(int(self._all_reduce(len(mbs), "max"))):
-            mb = mbs[k] if k < len(mbs) else mbs[:1][0] if mbs else None
-            if mb is None:
-                continue
+        # every rank runs as many forwards (ZeRO-3 gathers parameters inside each): pad with the first
+        n = int(self._all_reduce(len(mbs), "max")) if mbs else 0
+        for k in range(n):
+            mb = mbs[k] if k < len(mbs) else mbs[0]
             logp, _ = self._logprobs(mb, pack_samples(mb, pad_id=self.pad_id, device=device))
             if k < len(mbs):
                 self._keep_old(mb, logp)
