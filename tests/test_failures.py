@@ -119,6 +119,10 @@ def test_the_run_survives_failures(tmp_path, transport):
         wait_until("the resumed learner steps twice", lambda: f"step {resumed_from + 2}/{STEPS}" in log(), 900)
         assert f"resumed at step {resumed_from}" in log()
         assert f"step {resumed_from}/{STEPS}" not in log()  # it continued, it did not redo the step
+        # the checkpoint kept worker-b's problem stream (reported in its heartbeats) and handed it back
+        assert "handed back the problem-stream state of 1 workers" in log()
+        wait_until("worker-b continues its stream from the checkpoint",
+                   lambda: "resumed problem stream at level" in procs["worker-b"].log.read_text(), 60)
         assert procs["learner"].p.poll() is None
     finally:
         for p in procs.values():

@@ -114,7 +114,7 @@ def test_resume_reproduces_the_next_step(tmp_path):
     a.save_checkpoint(tmp_path)
     expected = a.train_step(batch(6))["loss"]
     b = make_trainer()
-    assert b.load_checkpoint(tmp_path)
+    assert b.load_checkpoint(tmp_path) is not None
     assert (b.step, b.version) == (1, 3)
     assert b.train_step(batch(6))["loss"] == pytest.approx(expected, rel=1e-6)
 
@@ -128,20 +128,37 @@ def state_of(tr):
 
 def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
     """fp32 on CPU: stopped at step 2 and resumed, a run is the uninterrupted run at step 4: the
-    weights, the optimizer's moments and the LR schedule's position (warmup then cosine decay)."""
-    sets = ("learner.steps=4", "learner.warmup_steps=2", "learner.lr_schedule=cosine")
+    weights, the optimizer's moments, the LR schedule's position (warmup then cosine decay) and the
+    teacher weight's decay, which the loop keeps in the checkpoint's run state."""
+    from toolrl.learner.schedules import TeacherWeight
+    from toolrl.metrics import batch_stats
+
+    sets = ("learner.steps=4", "learner.warmup_steps=2", "learner.lr_schedule=cosine", "grpo.w_teacher=1.0",
+            "teacher.decay_at_accuracy=0.8")
     data = [batch(20 + i) for i in range(4)]
+    data = [b + [b[1].model_copy(update={"source": "teacher", "group_id": f"t{i}"})] for i, b in enumerate(data)]
+
+    def steps(tr, tw, bs):
+        out = []
+        for b in bs:
+            out.append(tw.value)
+            tr.train_step(b, w_teacher=tw.value)
+            tw.update(batch_stats(b, 0)["accuracy"])
+        return out
+
     a = make_trainer(*sets)
-    for b in data:
-        a.train_step(b)
+    tw_a = TeacherWeight(a.cfg)
+    weights_a = steps(a, tw_a, data)
     first = make_trainer(*sets)
-    for b in data[:2]:
-        first.train_step(b)
-    first.save_checkpoint(tmp_path)
+    tw_first = TeacherWeight(first.cfg)
+    steps(first, tw_first, data[:2])
+    first.save_checkpoint(tmp_path, {"teacher_weight": tw_first.state_dict(), "train_elapsed_s": 12.5})
     resumed = make_trainer(*sets)
-    assert resumed.load_checkpoint(tmp_path) and resumed.step == 2
-    for b in data[2:]:
-        resumed.train_step(b)
+    run_state = resumed.load_checkpoint(tmp_path)
+    assert resumed.step == 2 and run_state["train_elapsed_s"] == 12.5
+    tw_r = TeacherWeight(resumed.cfg)
+    tw_r.load_state_dict(run_state["teacher_weight"])
+    assert steps(resumed, tw_r, data[2:]) == weights_a[2:] and weights_a[2] < 1.0  # the decay went on
     (wa, ma, lra), (wr, mr, lrr) = state_of(a), state_of(resumed)
     assert lra == lrr and len(ma) == len(mr) > 0
     for n in wa:
@@ -150,8 +167,25 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
         assert torch.allclose(x, y, rtol=0, atol=1e-6)
 
 
+def test_the_teacher_weight_decays_with_the_accuracy_ema():
+    from toolrl.learner.schedules import TeacherWeight
+
+    tw = TeacherWeight(make_cfg("grpo.w_teacher=0.5", "teacher.decay_at_accuracy=0.8", "teacher.ema=0.5"))
+    assert tw.value == 0.5  # no accuracy seen yet
+    tw.update(0.4)
+    assert tw.value == pytest.approx(0.5 * (1 - 0.4 / 0.8))
+    tw.update(0.8)  # ema 0.5 * 0.4 + 0.5 * 0.8 = 0.6
+    assert tw.value == pytest.approx(0.5 * (1 - 0.6 / 0.8))
+    tw.update(1.0)
+    tw.update(1.0)
+    assert tw.value == 0.0  # past decay_at_accuracy: never negative
+    again = TeacherWeight(tw_cfg := make_cfg("grpo.w_teacher=0.5", "teacher.decay_at_accuracy=null"))
+    again.update(1.0)
+    assert again.value == 0.5 and tw_cfg.teacher.decay_at_accuracy is None  # no decay configured
+
+
 def test_the_lr_schedule_warms_up_then_decays_per_learner_step():
-    from toolrl.learner.trainer import lr_lambda
+    from toolrl.learner.schedules import lr_lambda
 
     cfg = make_cfg("learner.steps=10", "learner.warmup_steps=2", "learner.lr_schedule=cosine")
     f = lr_lambda(cfg)
@@ -295,7 +329,7 @@ def test_lora_sync_merges_the_adapter(tmp_path):
 
 
 def test_time_budget_stops_before_a_step_that_would_overrun_it():
-    from toolrl.learner.trainer import out_of_time
+    from toolrl.learner.schedules import out_of_time
 
     assert not out_of_time(None, 1e9, 1e9)
     assert not out_of_time(600, 0, 0)  # the first step always runs

@@ -191,6 +191,77 @@ def test_workers_register_expire_and_reregister():
         asyncio.run(main(url))
 
 
+def test_resumed_learner_hands_each_worker_its_state_once():
+    """The learner reads the states workers heartbeat (for its checkpoint); a resumed learner hands them
+    back, and each worker gets its own exactly once, in a heartbeat or a register answer."""
+    mine = {"source": "arithmetic", "level": 2, "drawn": 5, "recent_acc": [0.5, 1.0], "groups": 12}
+
+    async def main(url):
+        async with AsyncRefServerClient(url, retries=0) as a:
+            assert (await a.register("w1", "http://127.0.0.1:9001", {}, 0))["resume_state"] is None
+            await a.register("w2", "http://127.0.0.1:9002", {}, 0)
+            with RefServerClient(url) as c:
+                assert (await a.heartbeat("w1", 0, {"level": 1}))["resume_state"] is None
+                assert {w["id"]: w["state"] for w in c.workers()} == {"w1": {"level": 1}, "w2": None}
+                assert c.set_resume_states({"w1": mine, "w3": {"level": 3}}) == {"ok": True, "pending": 2}
+                assert c.stats()["workers"]["resume_states_pending"] == 2
+                assert (await a.heartbeat("w2", 0))["resume_state"] is None  # not its state
+                assert (await a.heartbeat("w1", 0))["resume_state"] == mine
+                assert (await a.heartbeat("w1", 0))["resume_state"] is None  # once
+                # A worker that registers after the learner resumed gets its state in the answer.
+                assert (await a.register("w3", "http://127.0.0.1:9003", {}, 0))["resume_state"] == {"level": 3}
+                assert c.stats()["workers"]["resume_states_pending"] == 0
+                for bad in [{"bad id": {}}, {"w1": [1, 2]}, {"w1": {"blob": "x" * 20000}}]:
+                    with pytest.raises(RefServerError) as e:
+                        c.set_resume_states(bad)
+                    assert e.value.status == 400, bad
+                assert "state of w1" in e.value.detail and "over the limit" in e.value.detail
+                with pytest.raises(RefServerError) as e:
+                    await a.heartbeat("w1", 0, {"blob": "x" * 20000})
+                assert e.value.status == 400 and "over the limit" in e.value.detail
+
+    with serve(create_app(config())) as url:
+        asyncio.run(main(url))
+
+
+def test_keep_registered_reports_the_state_and_applies_a_resume_state():
+    """The worker's side: its state goes out with every heartbeat, and a resume state handed back in a
+    register or heartbeat answer reaches `on_resume` once; a failing `on_resume` does not stop it."""
+    got, state = [], {"level": 1, "drawn": 0}
+
+    def on_resume(s):
+        got.append(s)
+        if s.get("bad"):
+            raise ValueError("does not fit")
+
+    async def until(check, c):
+        deadline = time.monotonic() + 10
+        while not check(c.workers()[0]["state"] if c.workers() else None):
+            assert time.monotonic() < deadline, (got, c.workers())
+            await asyncio.sleep(0.05)
+
+    async def main(url):
+        with RefServerClient(url) as c:
+            c.set_resume_states({"w1": {"level": 2, "bad": True}})  # taken by the register
+            async with AsyncRefServerClient(url, retries=0) as a:
+                hb = asyncio.create_task(a.keep_registered("w1", "http://127.0.0.1:9001", {}, lambda: 0, 0.05,
+                                                           state=lambda: dict(state), on_resume=on_resume))
+                try:
+                    await until(lambda s: s == state, c)  # heartbeats (after the register) carry it
+                    assert got == [{"level": 2, "bad": True}] and not hb.done()
+                    c.set_resume_states({"w1": {"level": 3}})  # taken by a heartbeat
+                    state["drawn"] = 4
+                    await until(lambda s: s == {"level": 1, "drawn": 4} and len(got) == 2, c)
+                    await asyncio.sleep(0.2)
+                    assert got[1:] == [{"level": 3}] and not hb.done()  # once
+                finally:
+                    hb.cancel()
+                    await asyncio.gather(hb, return_exceptions=True)
+
+    with serve(create_app(config())) as url:
+        asyncio.run(main(url))
+
+
 def test_bad_uploads_are_rejected_and_the_server_keeps_serving(tiny):
     cfg = config(max_upload_bytes=20000, _extra=["grpo.beta=0.04"])
     good = encode_samples([mk(1), mk(2)])
@@ -248,7 +319,7 @@ def test_bearer_token_required_except_health():
     with serve(create_app(cfg)) as url, httpx.Client(base_url=url) as h:
         assert h.get("/health").status_code == 200
         for method, path in [("GET", "/stats"), ("GET", "/batch"), ("POST", "/upload"), ("GET", "/workers"),
-                             ("GET", "/metrics"), ("POST", "/version")]:
+                             ("GET", "/metrics"), ("POST", "/version"), ("POST", "/workers/resume")]:
             assert h.request(method, path).status_code == 401, path
             assert h.request(method, path, headers={"Authorization": "Bearer nope"}).status_code == 401, path
         with RefServerClient(url, token="s3cret") as c:

@@ -222,6 +222,37 @@ def test_registry_expiry_and_reregistration():
         reg.register("w9", "http://x", {"blob": "x" * 20000})
 
 
+def test_registry_keeps_heartbeat_states_and_hands_resume_states_back_once():
+    reg = WorkerRegistry(ttl_s=10, max_workers=2)
+    reg.register("w1", "http://127.0.0.1:1")
+    assert reg.live()[0]["state"] is None  # no heartbeat with a state yet
+    state = {"source": "arithmetic", "level": 2, "drawn": 7, "recent_acc": [0.5], "groups": 9}
+    reg.heartbeat("w1", 1, state)
+    reg.heartbeat("w1", 2)  # a heartbeat without a state keeps the last one
+    assert [(w["id"], w["policy_version"], w["state"]) for w in reg.live()] == [("w1", 2, state)]
+    for bad, match in [([1], "state must be a JSON object"), ({"blob": "x" * 20000}, "over the limit"),
+                       ({"x": float("nan")}, "not JSON-serialisable"), ({"x": object()}, "not JSON-serialisable")]:
+        with pytest.raises(RegistryError, match=match) as e:
+            reg.heartbeat("w1", 3, bad)
+        assert e.value.status == 400
+    assert reg.live()[0]["state"] == state and reg.live()[0]["policy_version"] == 2  # a refused one changes nothing
+
+    assert reg.set_resume_states({"w1": {"level": 3}, "w2": {"level": 1}}) == 2
+    assert reg.stats()["resume_states_pending"] == 2
+    assert reg.take_resume_state("w1") == {"level": 3}
+    assert reg.take_resume_state("w1") is None  # once
+    assert reg.take_resume_state("w9") is None and reg.stats()["resume_states_pending"] == 1
+    for bad, match in [({"a": {}, "b": {}, "c": {}}, "more than max_workers"), ({"bad id": {}}, "worker id"),
+                       ({"w1": [1]}, "state of w1 must be a JSON object"),
+                       ({"w1": {"b": "x" * 20000}}, "over the limit"),
+                       ([("w1", {})], "JSON object of worker id")]:
+        with pytest.raises(RegistryError, match=match):
+            reg.set_resume_states(bad)
+    assert reg.take_resume_state("w2") == {"level": 1}  # a refused set left the pending one alone
+    reg.set_resume_states({"w1": {"level": 2}})
+    assert reg.set_resume_states({"w2": {"level": 2}}) == 1 and reg.take_resume_state("w1") is None  # replaced
+
+
 def test_replay_cache_is_bounded():
     r = Replay(max_entries=2, ttl_s=60)
     for k in "abc":

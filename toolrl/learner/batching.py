@@ -1,6 +1,11 @@
-"""How a batch is cut: into mini-batches (one optimizer step each) and micro-batches (one
-forward/backward each, within a token budget); and which groups of it carry a learning signal."""
+"""How a batch is gathered (from the reference server, with DAPO's dynamic sampling) and cut: into
+mini-batches (one optimizer step each) and micro-batches (one forward/backward each, within a token
+budget)."""
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
 
 from toolrl.grpo import zero_variance
 from toolrl.protocol import Sample
@@ -78,3 +83,37 @@ def with_signal(samples: list[Sample]) -> tuple[list[Sample], int]:
     flat = {g for g, r in rewards.items() if zero_variance(r)}
     kept = [s for s in samples if s.source != "policy" or s.group_id not in flat]
     return kept, len(samples) - len(kept)
+
+
+@dataclass
+class Gathered:
+    samples: list[Sample]
+    drawn: int  # samples taken from the reference server
+    dropped: int  # policy samples left out by dynamic sampling
+
+
+def gather_batch(draw: Callable[[int, int], list[Sample]], want: int, token_budget: int, deadline: float,
+                 dynamic_sampling: bool = False, max_draws: int = 1, what: str = "the reference server",
+                 clock: Callable[[], float] = time.time) -> Gathered:
+    """A step's batch: pieces drawn until it holds `want` samples or `token_budget` tokens.
+    `draw(max_samples, max_tokens)` returns the next piece (possibly empty after its own wait).
+    With dynamic sampling (DAPO) groups without reward variance are left out and more are drawn,
+    until max_draws * want samples have been drawn; then the step trains on what has signal (at
+    least one piece of it). Past `deadline` with the batch still short, the run stops: a learner
+    waiting for ever on dead workers helps nobody."""
+    got = Gathered([], 0, 0)
+    while len(got.samples) < want:
+        if clock() > deadline:
+            raise SystemExit(f"{len(got.samples)}/{want} samples from {what} before the batch deadline")
+        if dynamic_sampling and got.samples and got.drawn >= max_draws * want:
+            break
+        used = sum(s.num_tokens for s in got.samples)
+        if got.samples and used >= token_budget:
+            break  # the token budget is full before the sample count
+        piece = draw(want - len(got.samples), token_budget - used)
+        got.drawn += len(piece)
+        if dynamic_sampling:
+            piece, n = with_signal(piece)
+            got.dropped += n
+        got.samples += piece
+    return got

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from toolrl.config import Config
-from toolrl.learner.batching import with_signal
+from toolrl.learner.batching import gather_batch
 from toolrl.learner.monitor import Monitor
-from toolrl.learner.trainer import Trainer, out_of_time
+from toolrl.learner.schedules import TeacherWeight, out_of_time
+from toolrl.learner.trainer import Trainer
 from toolrl.metrics import batch_stats
 from toolrl.models import resolve_dtype, resolve_model
 from toolrl.protocol import sample_record
@@ -37,8 +38,11 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
 
     trainer = Trainer(cfg, resolve_model(cfg.model.name))
     rank0 = trainer.rank == 0
-    if resume and trainer.load_checkpoint(ckpt_dir):
+    teacher_weight = TeacherWeight(cfg)
+    run_state = trainer.load_checkpoint(ckpt_dir) if resume else None
+    if run_state is not None:
         log.info("resumed at step %d, policy version %d", trainer.step, trainer.version)
+        teacher_weight.load_state_dict(run_state.get("teacher_weight", {}))
     ref = RefServerClient(cfg.ref_server.url, token=cfg.ref_server.token)
     sync = WeightSync(cfg, ref)
     sync_dtype = getattr(torch, resolve_dtype(cfg.model.dtype))  # what the workers' engines run
@@ -52,8 +56,25 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
         if ahead >= trainer.version:
             trainer.version = ahead + 1
         sync.push(state(), trainer.version)
+        # Each worker continues its problem stream and curriculum where it was at the checkpoint
+        # (the reference server hands a state back to the worker of that id at its next heartbeat).
+        workers = (run_state or {}).get("workers") or {}
+        if workers:
+            ref.set_resume_states(workers)
+            log.info("handed back the problem-stream state of %d workers", len(workers))
     elif rank0:
         ref.set_version(trainer.version)
+
+    def checkpoint() -> None:
+        """On every rank (each writes its ZeRO shard); with what the loop needs to continue exactly."""
+        workers = {}
+        if rank0:
+            try:
+                workers = {w["id"]: w["state"] for w in ref.workers() if w.get("state")}
+            except Exception as exc:  # a checkpoint without worker states still resumes the learner exactly
+                log.warning("could not read the workers' states for the checkpoint: %s", exc)
+        trainer.save_checkpoint(ckpt_dir, {"teacher_weight": teacher_weight.state_dict(),
+                                           "train_elapsed_s": elapsed(), "workers": workers})
 
     def held_out(tag: str) -> None:
         """A held-out evaluation (the `eval` section) on a live worker holding the current policy.
@@ -77,43 +98,29 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
 
     if cfg.eval.before_after and trainer.step == 0:
         held_out("before")
-    acc_ema = None  # drives the decay of the teacher-SFT weight as the policy gets better
-    train_t0, last_step_s = time.time(), 0.0
+    # training time counts across resumes, so a time budget is one budget for the whole run
+    train_t0, last_step_s = time.time() - float((run_state or {}).get("train_elapsed_s", 0.0)), 0.0
+    elapsed = lambda: time.time() - train_t0  # noqa: E731
     while trainer.step < cfg.learner.steps:
         t0 = time.time()
-        if trainer.all_agree(out_of_time(cfg.learner.time_budget_s, t0 - train_t0, last_step_s)):
+        if trainer.all_agree(out_of_time(cfg.learner.time_budget_s, elapsed(), last_step_s)):
             if rank0:
-                print(f"time budget: {t0 - train_t0:.0f}s of {cfg.learner.time_budget_s:.0f}s used, and a step "
+                print(f"time budget: {elapsed():.0f}s of {cfg.learner.time_budget_s:.0f}s used, and a step "
                       f"takes {last_step_s:.0f}s; stopping after step {trainer.step}", flush=True)
             break
-        # A step trains on a full batch (batch_samples): pieces are gathered until it is full. With
-        # dynamic sampling (DAPO) groups without reward variance are left out and more are drawn,
-        # up to max_draws batches' worth of samples.
+        # A step trains on a full batch (batch_samples, within batch_tokens), each rank its share.
         want, budget = max(1, cfg.learner.batch_samples // world), cfg.learner.batch_tokens // world
-        batch, deadline, drawn, dropped = [], t0 + cfg.learner.batch_timeout_s, 0, 0
-        while len(batch) < want:
-            if time.time() > deadline:
-                raise SystemExit(f"{len(batch)}/{want} samples from {cfg.ref_server.url} within "
-                                 f"{cfg.learner.batch_timeout_s:.0f}s")
-            if cfg.grpo.dynamic_sampling and batch and drawn >= cfg.grpo.max_draws * want:
-                break  # drawn enough: train on the groups with signal found so far
+
+        def draw(n: int, tokens: int) -> list:
             if rank0:
-                sync.catch_up(state, trainer.version)
-            used = sum(len(s.prompt_ids) + len(s.completion_ids) for s in batch)
-            if batch and used >= budget:
-                break  # the token budget is full before the sample count
-            piece = ref.get_batch(want - len(batch), budget - used, wait_s=min(10.0, cfg.ref_server.batch_wait_s),
-                                  min_samples=want - len(batch)) or []
-            drawn += len(piece)
-            if cfg.grpo.dynamic_sampling:
-                piece, n = with_signal(piece)
-                dropped += n
-            batch += piece
+                sync.catch_up(state, trainer.version)  # late workers get the policy while we wait
+            return ref.get_batch(n, tokens, wait_s=min(10.0, cfg.ref_server.batch_wait_s), min_samples=n) or []
+
+        got = gather_batch(draw, want, budget, t0 + cfg.learner.batch_timeout_s, cfg.grpo.dynamic_sampling,
+                           cfg.grpo.max_draws, what=cfg.ref_server.url)
+        batch = got.samples
         t1 = time.time()
-        w_teacher = cfg.grpo.w_teacher
-        if cfg.teacher.decay_at_accuracy is not None and acc_ema is not None:
-            w_teacher *= max(0.0, 1.0 - acc_ema / cfg.teacher.decay_at_accuracy)
-        metrics = trainer.train_step(batch, w_teacher=w_teacher)
+        metrics = trainer.train_step(batch, w_teacher=teacher_weight.value)
         t2 = time.time()
         synced = {}
         if trainer.step % cfg.learner.sync_every == 0:
@@ -122,17 +129,16 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
             if rank0:
                 synced = sync.push(named, trainer.version)
         t3 = time.time()
+        metrics.update(batch_stats(batch, trainer.version), dynamic_sampling_dropped=got.dropped,
+                       samples_drawn=got.drawn)
+        # every rank decays the teacher weight by the same accuracy: that of the whole batch
+        teacher_weight.update(trainer.all_mean(metrics["accuracy"], sum(s.source == "policy" for s in batch)))
         if cfg.learner.checkpoint_every and trainer.step % cfg.learner.checkpoint_every == 0:
-            trainer.save_checkpoint(ckpt_dir)  # on every rank: each writes its ZeRO shard
+            checkpoint()
         if rank0 and cfg.logging.dump_samples:
             with open(log_dir / "samples.jsonl", "a") as f:
                 for s in batch:
                     f.write(json.dumps(sample_record(s, step=trainer.step)) + "\n")
-        metrics.update(batch_stats(batch, trainer.version), dynamic_sampling_dropped=dropped, samples_drawn=drawn)
-        # every rank decays the teacher weight by the same accuracy: that of the whole batch
-        acc = trainer.all_mean(metrics["accuracy"], sum(s.source == "policy" for s in batch))
-        a = cfg.teacher.ema
-        acc_ema = acc if acc_ema is None else a * acc_ema + (1 - a) * acc
         last_step_s = time.time() - t0
         metrics.update(time_wait_s=t1 - t0, time_compute_s=t2 - t1, time_sync_s=t3 - t2, step_time_s=last_step_s,
                        policy_version=trainer.version, workers_ok=synced.get("workers_ok", 0),
@@ -160,7 +166,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
             sync.push(named, trainer.version)
 
     if cfg.learner.checkpoint_every == 0 or trainer.step % cfg.learner.checkpoint_every:
-        trainer.save_checkpoint(ckpt_dir)
+        checkpoint()
     export = trainer.export_hf((run_dir or Path(cfg.learner.checkpoint_dir).parent) / "export")
     if cfg.eval.before_after or (cfg.eval.every and trainer.step % cfg.eval.every == 0):
         held_out("after")

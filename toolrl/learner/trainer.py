@@ -25,32 +25,11 @@ import torch
 from toolrl.config import Config
 from toolrl.learner.batching import micro_batches, split_mini_batches
 from toolrl.learner.housekeeping import clear_stale_op_locks, clear_stale_shm_buffers
+from toolrl.learner.schedules import lr_lambda
 from toolrl.grpo import BatchCounts, Role, grpo_loss, sample_roles, sft_loss
 from toolrl.logprobs import completion_logprobs, pack_samples, shared_prompt_logprobs
 from toolrl.models import resolve_dtype
 from toolrl.protocol import TRUNCATED, Sample
-
-
-def out_of_time(budget_s: float | None, elapsed_s: float, last_step_s: float) -> bool:
-    """learner.time_budget_s: whether another step, as long as the last one, would end past it."""
-    return budget_s is not None and elapsed_s + last_step_s > budget_s
-
-
-def lr_lambda(cfg: Config):
-    """The LR factor at an optimizer step. Warmup and decay count learner steps (batches); a batch
-    takes updates_per_batch * mini_batches optimizer steps, all at its learner step's LR."""
-    warm, total, kind = cfg.learner.warmup_steps, max(1, cfg.learner.steps), cfg.learner.lr_schedule
-    per_batch = cfg.grpo.updates_per_batch * cfg.grpo.mini_batches
-
-    def f(opt_step: int) -> float:
-        step = opt_step // per_batch
-        if warm and step < warm:
-            return (step + 1) / warm
-        if kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - warm) / max(1, total - warm))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
-    return f
 
 
 class Trainer:
@@ -388,16 +367,19 @@ class Trainer:
         return out
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def save_checkpoint(self, ckpt_dir: str | Path) -> str:
+    def save_checkpoint(self, ckpt_dir: str | Path, run_state: dict | None = None) -> str:
+        """Weights, optimizer and LR schedule (DeepSpeed's), the step counters, and `run_state`: what
+        the loop around the trainer needs to continue exactly (toolrl.learner.loop)."""
         tag = f"step{self.step:06d}"
         state = {"step": self.step, "version": self.version, "samples_seen": self.samples_seen,
-                 "skipped_steps": self.skipped_steps}
+                 "skipped_steps": self.skipped_steps, "run_state": run_state or {}}
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state)
         return tag
 
-    def load_checkpoint(self, ckpt_dir: str | Path) -> bool:
+    def load_checkpoint(self, ckpt_dir: str | Path) -> dict | None:
+        """The saved `run_state` ({} from checkpoints that have none), or None when there is no checkpoint."""
         if not (Path(ckpt_dir) / "latest").exists():
-            return False
+            return None
         path, state = self.engine.load_checkpoint(str(ckpt_dir))
         if path is None:
             raise RuntimeError(f"could not load the DeepSpeed checkpoint in {ckpt_dir}")
@@ -405,7 +387,7 @@ class Trainer:
         self.version = int(state["version"])
         self.samples_seen = int(state.get("samples_seen", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        return True
+        return dict(state.get("run_state") or {})
 
 
 class _null:

@@ -68,6 +68,13 @@ class RegisterBody(BaseModel):
 class HeartbeatBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     policy_version: int | None = Field(None, ge=0)
+    state: dict[str, Any] | None = None  # the worker's producer state, kept for the learner's checkpoints
+
+
+class ResumeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    # worker id -> the producer state it had at the checkpoint; the registry checks each (400, not 422)
+    states: dict[str, Any]
 
 
 class VersionBody(BaseModel):
@@ -238,14 +245,33 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
             raise HTTPException(status_code=exc.status, detail=str(exc)) from None
         log.info("worker %s registered at %s (policy v%d)", w.id, w.url, w.policy_version)
         return {**w.public(time.monotonic()), "ttl_s": rs.worker_ttl_s,
-                "learner_version": queue.core.learner_version}
+                "learner_version": queue.core.learner_version, "resume_state": handed_back(w.id)}
 
     @app.post("/workers/{worker_id}/heartbeat", dependencies=auth)
     async def heartbeat(worker_id: str, body: HeartbeatBody | None = None):
-        w = registry.heartbeat(worker_id, body.policy_version if body else None)
+        try:
+            w = registry.heartbeat(worker_id, body.policy_version if body else None, body.state if body else None)
+        except RegistryError as exc:
+            raise HTTPException(status_code=exc.status, detail=str(exc)) from None
         if w is None:
             raise HTTPException(status_code=404, detail=f"unknown or expired worker {worker_id!r}; register again")
-        return {"ok": True, "ttl_s": rs.worker_ttl_s, "learner_version": queue.core.learner_version}
+        return {"ok": True, "ttl_s": rs.worker_ttl_s, "learner_version": queue.core.learner_version,
+                "resume_state": handed_back(w.id)}
+
+    def handed_back(worker_id: str) -> dict[str, Any] | None:
+        state = registry.take_resume_state(worker_id)
+        if state is not None:
+            log.info("worker %s: handed back its producer state from the checkpoint", worker_id)
+        return state
+
+    @app.post("/workers/resume", dependencies=auth)
+    async def resume(body: ResumeBody):
+        try:
+            pending = registry.set_resume_states(body.states)
+        except RegistryError as exc:
+            raise HTTPException(status_code=exc.status, detail=str(exc)) from None
+        log.info("resume: %d producer states wait for their workers", pending)
+        return {"ok": True, "pending": pending}
 
     @app.delete("/workers/{worker_id}", dependencies=auth)
     async def deregister(worker_id: str):

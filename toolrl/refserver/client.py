@@ -142,36 +142,52 @@ class AsyncRefServerClient:
 
     async def register(self, worker_id: str, url: str, capabilities: dict[str, Any] | None = None,
                        policy_version: int = 0) -> dict[str, Any]:
-        """Register (or re-register) this worker. The answer includes `learner_version` and `ttl_s`."""
+        """Register (or re-register) this worker. The answer includes `learner_version`, `ttl_s` and
+        `resume_state` (see `heartbeat`)."""
         r = await self._request("POST", "/workers", json={"id": worker_id, "url": url,
                                                           "capabilities": capabilities or {},
                                                           "policy_version": policy_version})
         return r.json()
 
-    async def heartbeat(self, worker_id: str, policy_version: int) -> bool:
-        """True if the server knows us; False if it forgot us (expired or restarted): register again."""
-        r = await self._request("POST", f"/workers/{worker_id}/heartbeat", ok=(200, 404),
-                                json={"policy_version": policy_version})
-        return r.status_code == 200
+    async def heartbeat(self, worker_id: str, policy_version: int,
+                        state: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The server's answer ({ok, ttl_s, learner_version, resume_state}, truthy) if it knows us; None
+        if it forgot us (expired or restarted): register again. `state`: our producer state, which the
+        learner checkpoints; `resume_state` is ours from the checkpoint a resumed run started from."""
+        body: dict[str, Any] = {"policy_version": policy_version}
+        if state is not None:
+            body["state"] = state
+        r = await self._request("POST", f"/workers/{worker_id}/heartbeat", ok=(200, 404), json=body)
+        return r.json() if r.status_code == 200 else None
 
     async def deregister(self, worker_id: str) -> bool:
         r = await self._request("DELETE", f"/workers/{worker_id}")
         return bool(r.json().get("removed"))
 
     async def keep_registered(self, worker_id: str, url: str, capabilities: dict[str, Any],
-                              policy_version: Callable[[], int], interval_s: float = 5.0) -> None:
+                              policy_version: Callable[[], int], interval_s: float = 5.0,
+                              state: Callable[[], dict[str, Any] | None] | None = None,
+                              on_resume: Callable[[dict[str, Any]], None] | None = None) -> None:
         """Register, then heartbeat every `interval_s` and re-register when forgotten. Runs until cancelled;
-        server trouble is logged and retried, never raised."""
+        server trouble is logged and retried, never raised. `state()` is sent with every heartbeat;
+        `on_resume(state)` gets the resume state an answer carries (its errors are logged, not raised)."""
         registered = False
         while True:
             try:
                 if not registered:
-                    await self.register(worker_id, url, capabilities, policy_version())
+                    answer = await self.register(worker_id, url, capabilities, policy_version())
                     registered = True
-                elif not await self.heartbeat(worker_id, policy_version()):
-                    log.warning("reference server forgot worker %s; registering again", worker_id)
-                    registered = False
-                    continue
+                else:
+                    answer = await self.heartbeat(worker_id, policy_version(), state() if state else None)
+                    if answer is None:
+                        log.warning("reference server forgot worker %s; registering again", worker_id)
+                        registered = False
+                        continue
+                if on_resume is not None and answer.get("resume_state") is not None:
+                    try:
+                        on_resume(answer["resume_state"])
+                    except Exception:  # noqa: BLE001 - a bad state must not end the heartbeats
+                        log.exception("could not apply the resume state of worker %s", worker_id)
             except (RefServerUnavailable, RefServerError) as exc:
                 log.warning("registry: %s", exc)
             await asyncio.sleep(interval_s)
@@ -233,8 +249,14 @@ class RefServerClient:
         return self._request("POST", "/version", json={"version": version}).json()
 
     def workers(self) -> list[dict[str, Any]]:
-        """Live workers: each {id, url, capabilities, policy_version, last_seen, ...}."""
+        """Live workers: each {id, url, capabilities, policy_version, last_seen, state, ...}; `state` is
+        the producer state of its last heartbeat (None before one), what a checkpoint saves."""
         return self._request("GET", "/workers").json()["workers"]
+
+    def set_resume_states(self, states: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """Hand the workers' producer states from a checkpoint back (worker id -> state); each worker
+        takes its own once, in its next register or heartbeat answer. Returns {ok, pending}."""
+        return self._request("POST", "/workers/resume", json={"states": states}).json()
 
     def stats(self) -> dict[str, Any]:
         return self._request("GET", "/stats").json()

@@ -4,6 +4,10 @@ A worker registers (id, url, capabilities, policy version) and heartbeats; one t
 heard from for `ttl_s` is dropped (checked on every access, and by a periodic sweep so expiry is
 logged even when nobody asks). Registering again with the same id replaces the entry, so a
 restarted worker simply registers anew. The registry is bounded (`max_workers`).
+
+A worker's heartbeats may carry its producer state (where its problem stream and curriculum stand),
+which the learner saves in its checkpoints. A run resumed from one hands those states back
+(`set_resume_states`) and each worker takes its own once, in a register or heartbeat answer.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Any
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 MAX_CAPABILITIES_BYTES = 16 << 10
+MAX_STATE_BYTES = 16 << 10
 
 
 class RegistryError(ValueError):
@@ -36,27 +41,37 @@ class Worker:
     last_seen: float  # wall clock, for people
     seen_mono: float = field(repr=False, default=0.0)  # monotonic, for expiry
     heartbeats: int = 0
+    state: dict[str, Any] | None = None  # the producer state of its last heartbeat that carried one
 
     def public(self, now_mono: float) -> dict[str, Any]:
         return {"id": self.id, "url": self.url, "capabilities": self.capabilities,
                 "policy_version": self.policy_version, "last_seen": self.last_seen,
                 "age_s": round(now_mono - self.seen_mono, 3), "registered_at": self.registered_at,
-                "heartbeats": self.heartbeats}
+                "heartbeats": self.heartbeats, "state": self.state}
+
+
+def _check_id(worker_id: str) -> None:
+    if not isinstance(worker_id, str) or not _ID_RE.match(worker_id):
+        raise RegistryError(f"worker id {worker_id!r} must be 1-128 characters of [A-Za-z0-9._:@-]")
+
+
+def _check_object(what: str, value: Any, limit: int) -> None:
+    """A JSON object of at most `limit` bytes serialised: what a worker may make the server keep."""
+    if not isinstance(value, dict):
+        raise RegistryError(f"{what} must be a JSON object")
+    try:
+        size = len(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise RegistryError(f"{what}: not JSON-serialisable: {exc}") from None
+    if size > limit:
+        raise RegistryError(f"{what}: {size} bytes serialised, over the limit of {limit}")
 
 
 def validate(worker_id: str, url: str, capabilities: dict[str, Any], policy_version: int) -> None:
-    if not isinstance(worker_id, str) or not _ID_RE.match(worker_id):
-        raise RegistryError(f"worker id {worker_id!r} must be 1-128 characters of [A-Za-z0-9._:@-]")
+    _check_id(worker_id)
     if not isinstance(url, str) or not re.match(r"^https?://[^\s/]+", url) or len(url) > 2048:
         raise RegistryError(f"worker url {url!r} must be an http(s) URL")
-    if not isinstance(capabilities, dict):
-        raise RegistryError("capabilities must be a JSON object")
-    try:
-        size = len(json.dumps(capabilities))
-    except (TypeError, ValueError) as exc:
-        raise RegistryError(f"capabilities are not JSON-serialisable: {exc}") from None
-    if size > MAX_CAPABILITIES_BYTES:
-        raise RegistryError(f"capabilities of {size} bytes are over the limit of {MAX_CAPABILITIES_BYTES}")
+    _check_object("capabilities", capabilities, MAX_CAPABILITIES_BYTES)
     if not isinstance(policy_version, int) or policy_version < 0:
         raise RegistryError(f"policy_version must be a non-negative integer, got {policy_version!r}")
 
@@ -67,6 +82,7 @@ class WorkerRegistry:
         self.ttl_s, self.max_workers = ttl_s, max_workers
         self.clock, self.wall, self.on_expire = clock, wall, on_expire
         self._workers: dict[str, Worker] = {}
+        self._resume: dict[str, dict[str, Any]] = {}  # from a resumed learner, until each worker takes its own
         self.registered_total = 0
         self.expired_total = 0
 
@@ -83,19 +99,41 @@ class WorkerRegistry:
         self.registered_total += 1
         return w
 
-    def heartbeat(self, worker_id: str, policy_version: int | None = None) -> Worker | None:
-        """Refresh a live worker; None if it is unknown or already expired (it should register again)."""
+    def heartbeat(self, worker_id: str, policy_version: int | None = None,
+                  state: dict[str, Any] | None = None) -> Worker | None:
+        """Refresh a live worker, keeping its producer state when it sends one; None if it is unknown
+        or already expired (it should register again)."""
         self.expire()
         w = self._workers.get(worker_id)
         if w is None:
             return None
+        if policy_version is not None and (not isinstance(policy_version, int) or policy_version < 0):
+            raise RegistryError(f"policy_version must be a non-negative integer, got {policy_version!r}")
+        if state is not None:
+            _check_object("state", state, MAX_STATE_BYTES)
+            w.state = state
         if policy_version is not None:
-            if not isinstance(policy_version, int) or policy_version < 0:
-                raise RegistryError(f"policy_version must be a non-negative integer, got {policy_version!r}")
             w.policy_version = policy_version
         w.seen_mono, w.last_seen = self.clock(), self.wall()
         w.heartbeats += 1
         return w
+
+    def set_resume_states(self, states: dict[str, dict[str, Any]]) -> int:
+        """Replace the states waiting for workers to take them (a resumed run's, by worker id); returns
+        how many wait. All or nothing: one bad entry refuses the whole set."""
+        if not isinstance(states, dict):
+            raise RegistryError("states must be a JSON object of worker id -> state")
+        if len(states) > self.max_workers:
+            raise RegistryError(f"{len(states)} resume states are more than max_workers ({self.max_workers})")
+        for worker_id, state in states.items():
+            _check_id(worker_id)
+            _check_object(f"state of {worker_id}", state, MAX_STATE_BYTES)
+        self._resume = dict(states)
+        return len(self._resume)
+
+    def take_resume_state(self, worker_id: str) -> dict[str, Any] | None:
+        """The state waiting for this worker, handed over once (a second take is None)."""
+        return self._resume.pop(worker_id, None)
 
     def remove(self, worker_id: str) -> bool:
         return self._workers.pop(worker_id, None) is not None
@@ -121,4 +159,4 @@ class WorkerRegistry:
     def stats(self) -> dict[str, Any]:
         self.expire()
         return {"live": len(self), "registered_total": self.registered_total, "expired_total": self.expired_total,
-                "ttl_s": self.ttl_s}
+                "ttl_s": self.ttl_s, "resume_states_pending": len(self._resume)}

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -69,22 +71,80 @@ class Stats:
         return d
 
 
+_STATE_KEYS = {"source", "level", "drawn", "recent_acc", "groups"}
+
+
 class Producer:
     def __init__(self, cfg: Config, agent: Agent, stats: Stats | None = None):
         self.cfg, self.agent = cfg, agent
         self.stats = stats or Stats()
         self.task = get_task(cfg.data.source)
         self.level = cfg.data.level
-        self.problems = problem_stream(cfg.data, agent.name)
+        self.problems = problem_stream(cfg.data, agent.name, self.level)
+        self.drawn = 0  # problems drawn from the current level's stream (a restart skips as many)
+        self.groups = 0  # groups started: the next group's index, which seeds its teacher traces
+        self._restores = 0  # groups started before a restore must not move the restored curriculum
         self._recent_acc: collections.deque = collections.deque(maxlen=cfg.data.promote_window)
         self._teacher = self.task.teacher(cfg.teacher)
-        self._teacher_rng = random.Random(agent_seed(agent.name, cfg.data.seed))
+        self._seed = agent_seed(agent.name, cfg.data.seed)
+
+    # -- where the stream stands, for a restart from a checkpoint -------------------------------
+    def state(self) -> dict:
+        """Small JSON that `restore` turns back into this position: the stream, the curriculum and
+        the teacher's randomness (a function of the group index) all continue where they were."""
+        return {"source": self.cfg.data.source, "level": self.level, "drawn": self.drawn,
+                "recent_acc": list(self._recent_acc), "groups": self.groups}
+
+    def restore(self, state: dict) -> None:
+        """Continue at `state` (from `state()`): the next problem drawn is the one this producer drew
+        next when the state was taken. ValueError, and nothing changed, when the state does not fit."""
+        d = self.cfg.data
+        if not isinstance(state, dict) or set(state) != _STATE_KEYS:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"producer state must be an object with keys {sorted(_STATE_KEYS)}, got {got}")
+        if state["source"] != d.source:
+            raise ValueError(f"producer state is for data.source {state['source']!r}, this run trains on {d.source!r}")
+
+        def count(key: str) -> int:
+            v = state[key]
+            if type(v) is not int or v < 0:
+                raise ValueError(f"producer state: {key} must be a non-negative integer, got {v!r}")
+            return v
+        level, drawn, groups = count("level"), count("drawn"), count("groups")
+        if not d.level <= level <= d.max_level:
+            raise ValueError(f"producer state: level {level} is outside data.level..data.max_level "
+                             f"({d.level}..{d.max_level})")
+        if drawn > groups:  # every draw starts a group, so a larger count is not one of ours
+            raise ValueError(f"producer state: drawn ({drawn}) is more than groups ({groups})")
+        acc = state["recent_acc"]
+        if not isinstance(acc, list) or not all(type(a) in (int, float) and math.isfinite(a) and 0 <= a <= 1
+                                                for a in acc):
+            raise ValueError(f"producer state: recent_acc must be a list of accuracies in [0, 1], got {acc!r}")
+        problems = problem_stream(d, self.agent.name, level)
+        next(itertools.islice(problems, drawn, drawn), None)  # skip what was drawn before
+        self.level, self.problems, self.drawn, self.groups = level, problems, drawn, groups
+        self._recent_acc.clear()
+        self._recent_acc.extend(float(a) for a in acc)
+        self._restores += 1
+
+    def next_problem(self) -> tuple[int, Problem]:
+        """The next problem of the stream and its group index; counted, so `state` knows where we are."""
+        problem = next(self.problems)
+        self.drawn += 1
+        self.groups += 1
+        return self.groups - 1, problem
+
+    def teacher_rng(self, key: int | str) -> random.Random:
+        """The teacher's randomness for one group, from its position rather than one sequence shared
+        by all groups: a restored producer (or groups finishing in another order) word traces the same."""
+        return random.Random(f"{self._seed}:{key}")
 
     # -- one group ------------------------------------------------------------------------------
-    async def rollout_group(self, problem: Problem) -> list[Sample] | None:
+    async def rollout_group(self, problem: Problem, index: int | None = None) -> list[Sample] | None:
         """group_size rollouts of one problem, scored, with group advantages and teacher traces.
-        None when the group is left out (aborted, or its tests could not be run)."""
-        a = self.agent
+        None when the group is left out (aborted, or its tests could not be run). `index`: the group's
+        place in the stream (from `next_problem`); a problem from elsewhere seeds the teacher by its id."""
+        a, restores = self.agent, self._restores
         async with a.gated() as version:
             gid = a.group_id(problem.id)
             prompt = a.prompt_ids(problem.question)
@@ -104,9 +164,11 @@ class Producer:
             return None
         group = await asyncio.to_thread(a.score, problem, rolls, gid, version, tests)
         self.stats.count_group(rolls, group)
-        self._curriculum(group)
+        if restores == self._restores:  # else it was drawn at the position a restore replaced
+            self._curriculum(group)
+        rng = self.teacher_rng(problem.id if index is None else index)
         for k in range(self.cfg.teacher.traces_per_group if self._teacher else 0):
-            t = await teacher_sample(self._teacher(problem, self._teacher_rng), prompt, a.tokenizer, a.tool,
+            t = await teacher_sample(self._teacher(problem, rng), prompt, a.tokenizer, a.tool,
                                      self.cfg.rollout.max_tool_output_tokens, f"{gid}:teacher{k}", version,
                                      self.cfg.prompt.prefill)
             if t is not None:
@@ -124,7 +186,7 @@ class Producer:
         if full and self.level < d.max_level and sum(self._recent_acc) / len(self._recent_acc) >= d.promote_at_accuracy:
             self.level += 1
             self._recent_acc.clear()
-            self.problems = problem_stream(d, self.agent.name, self.level)
+            self.problems, self.drawn = problem_stream(d, self.agent.name, self.level), 0
             log.info("curriculum: accuracy passed %.2f, moving to level %d", d.promote_at_accuracy, self.level)
 
     # -- the stream of groups -------------------------------------------------------------------
@@ -135,7 +197,8 @@ class Producer:
         started = failures = 0
         while True:
             while len(pending) < width and (n_groups is None or started < n_groups):
-                task = asyncio.create_task(self.rollout_group(next(self.problems)))
+                index, problem = self.next_problem()
+                task = asyncio.create_task(self.rollout_group(problem, index))
                 if self.agent.gate is not None:
                     self.agent.gate.track(task)  # cancelled, not awaited, if a drain times out
                 pending.add(task)

@@ -67,6 +67,17 @@ class GenWorker:
                  tool_executor_errors=self.agent.tool.errors, level=self.producer.level)
         return d
 
+    def resume(self, state: dict) -> None:
+        """Continue the problem stream and curriculum from a checkpoint's producer state (handed back by
+        the reference server). A state that does not fit is logged and ignored: the worker goes on
+        from where it is rather than stopping."""
+        try:
+            self.producer.restore(state)
+        except ValueError as exc:
+            log.error("ignored the resume state from the reference server: %s", exc)
+            return
+        log.info("resumed problem stream at level %d, problem %d", self.producer.level, self.producer.drawn)
+
     def capabilities(self) -> dict:
         return {"model": self.cfg.model.name, "max_model_len": self.cfg.model.max_model_len,
                 "group_size": self.cfg.rollout.group_size, "tools": ["python"]}
@@ -121,11 +132,15 @@ async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, 
         reg = await ref.register(worker.worker_id, worker.public_url, worker.capabilities(), worker.version)
         log.info("worker %s registered at %s (engine start %.0fs)", worker.worker_id, worker.public_url,
                  worker.agent.engine.start_s)
+        if reg.get("resume_state") is not None:  # a resumed run: before the first problem is drawn
+            worker.resume(reg["resume_state"])
         print(f"gen worker {worker.worker_id} ready at {worker.public_url}", flush=True)
         # Heartbeats start now: a late joiner waiting for weights must stay in the registry, or the
-        # learner would never see it to send them.
+        # learner would never see it to send them. They report where the producer stands (the learner
+        # checkpoints it) and apply a resume state that arrives later (the learner resumed after we registered).
         hb = asyncio.create_task(ref.keep_registered(worker.worker_id, worker.public_url, worker.capabilities(),
-                                                     lambda: worker.version, cfg.rollout.heartbeat_s))
+                                                     lambda: worker.version, cfg.rollout.heartbeat_s,
+                                                     state=worker.producer.state, on_resume=worker.resume))
         learner_version = int(reg.get("learner_version", 0) or 0)
         if learner_version > worker.version:
             # A late joiner waits for the current weights before producing anything.

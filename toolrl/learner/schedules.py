@@ -1,0 +1,55 @@
+"""What changes with training progress: the learning rate, the teacher-SFT weight and the time
+budget. Each keeps what a resumed run needs in its checkpoint (the LR lives in DeepSpeed's)."""
+from __future__ import annotations
+
+import math
+
+from toolrl.config import Config
+
+
+def lr_lambda(cfg: Config):
+    """The LR factor at an optimizer step. Warmup and decay count learner steps (batches); a batch
+    takes updates_per_batch * mini_batches optimizer steps, all at its learner step's LR."""
+    warm, total, kind = cfg.learner.warmup_steps, max(1, cfg.learner.steps), cfg.learner.lr_schedule
+    per_batch = cfg.grpo.updates_per_batch * cfg.grpo.mini_batches
+
+    def f(opt_step: int) -> float:
+        step = opt_step // per_batch
+        if warm and step < warm:
+            return (step + 1) / warm
+        if kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+    return f
+
+
+class TeacherWeight:
+    """The teacher-SFT weight, decayed as the policy gets better:
+    grpo.w_teacher * max(0, 1 - accuracy_ema / teacher.decay_at_accuracy), where accuracy_ema is an
+    exponential moving average (teacher.ema) of the policy samples' accuracy in each batch."""
+
+    def __init__(self, cfg: Config):
+        self.base, self.decay_at, self.ema = cfg.grpo.w_teacher, cfg.teacher.decay_at_accuracy, cfg.teacher.ema
+        self.acc_ema: float | None = None
+
+    @property
+    def value(self) -> float:
+        if self.decay_at is None or self.acc_ema is None:
+            return self.base
+        return self.base * max(0.0, 1.0 - self.acc_ema / self.decay_at)
+
+    def update(self, accuracy: float) -> None:
+        self.acc_ema = accuracy if self.acc_ema is None else self.ema * self.acc_ema + (1 - self.ema) * accuracy
+
+    def state_dict(self) -> dict:
+        return {"acc_ema": self.acc_ema}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.acc_ema = state.get("acc_ema")
+
+
+def out_of_time(budget_s: float | None, elapsed_s: float, last_step_s: float) -> bool:
+    """learner.time_budget_s: whether another step, as long as the last one, would end past it.
+    `elapsed_s` counts training time across resumes (kept in the checkpoint)."""
+    return budget_s is not None and elapsed_s + last_step_s > budget_s
