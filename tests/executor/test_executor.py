@@ -284,6 +284,45 @@ def test_file_size_bomb(s):
     assert r.status == "error" and "File too large" in r.stderr
 
 
+# A run that leaves the deepest tree it can, a file, and marks on its working dir itself.
+LEAVE_TRACES = """import os
+os.utime('.', (1, 1))
+os.chmod('.', 0o777)
+try:
+    os.setxattr('.', 'user.mark', b'x')
+except OSError:
+    pass
+open('leftover', 'w').write('x')
+for i in range(3000):
+    os.mkdir('d')
+    os.chdir('d')
+print('deep')
+"""
+SEE_TRACES = """import os
+st = os.stat('.')
+try:
+    marks = os.listxattr('.')
+except OSError:
+    marks = []
+print(sorted(os.listdir('.')), st.st_mtime > 1, oct(st.st_mode & 0o777), marks)
+"""
+
+
+def check_nothing_carries_over(c):
+    pid = c._http.get("/health").json()["forkserver_pid"]
+    for _ in range(3):  # twice over the slots: every slot is cleaned after such a run
+        r = c.execute(LEAVE_TRACES, timeout_s=20)
+        assert (r.status, r.stdout) == ("ok", "deep\n"), r
+    for _ in range(4):
+        r = c.execute(SEE_TRACES)
+        assert (r.status, r.stdout) == ("ok", "[] True 0o700 []\n"), r
+    assert c._http.get("/health").json()["forkserver_pid"] == pid  # the fork server lived through it
+
+
+def test_a_run_leaves_nothing_to_the_next_and_cannot_break_cleanup(s):
+    check_nothing_carries_over(s.c)
+
+
 def test_fd_exhaustion(s):
     r = s.run("fs = []\nwhile True:\n    fs.append(open('/dev/null'))", timeout_s=5)
     assert r.status == "error" and "Too many open files" in r.stderr

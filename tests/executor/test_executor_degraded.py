@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_executor import processes_with_uid, sandbox_pid_ns, wait_for
+from test_executor import check_nothing_carries_over, processes_with_uid, sandbox_pid_ns, wait_for
 from toolrl.executor.client import ExecutorClient
 from toolrl.executor.local import LocalExecutor
 
@@ -49,3 +49,10 @@ def test_without_per_slot_uids_runs_are_serial_and_still_swept(tmp_path):
                           timeout_s=1)
             assert r.status == "timeout" and c.health()
             assert c.execute("print('after')").stdout == "after\n"
+
+
+def test_without_a_tmpfs_per_lane_cleanup_still_leaves_nothing_and_survives_deep_trees(tmp_path):
+    with LocalExecutor(sets=['executor.disable_isolation=["mountns"]', "executor.workers=2"],
+                       log_path=tmp_path / "executor.log") as ex:
+        with ExecutorClient(ex.url, timeout_s=60) as c:
+            check_nothing_carries_over(c)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from toolrl.executor.api import ExecResult
-from toolrl.executor.client import (AsyncExecutorClient, ExecutorClient, ExecutorRequestError,
+from toolrl.executor.client import (AsyncExecutorClient, ExecutorClient, ExecutorError, ExecutorRequestError,
                                    ExecutorUnavailable)
 from toolrl.executor.local import LocalExecutor
 from toolrl.net import RetryPolicy, free_port
@@ -294,3 +294,19 @@ def test_async_client_against_the_real_service(ex):
             assert (await c.execute("print(a)", session_id="async")).stdout == "1\n"
             assert await c.delete_session("async") is True
     asyncio.run(go())
+
+
+def test_a_malformed_answer_is_an_executor_error_not_a_pydantic_one():
+    calls: list = []
+    bad = {**OK_BODY, "cpu_ms": "NaN", "status": "forged"}
+    t = scripted([(200, {}, bad)], calls)
+    with ExecutorClient("http://x", transport=httpx.MockTransport(t)) as c:
+        with pytest.raises(ExecutorError, match="malformed") as e:
+            c.execute("print(1)")
+    assert not isinstance(e.value, ValueError) and len(calls) == 1
+
+    async def go():
+        async with AsyncExecutorClient("http://x", transport=httpx.MockTransport(scripted([(200, {}, {})], []))) as c:
+            await c.execute_batch([{"code": "1"}])
+    with pytest.raises(ExecutorError, match="malformed"):
+        asyncio.run(go())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -67,6 +68,86 @@ def test_stdin_is_per_block(c):
     r = c.execute("print(input())", session_id=s)
     assert r.status == "error" and "EOFError" in r.stderr
     assert c.execute("print(input())", session_id=s, stdin="third\n").stdout == "third\n"
+
+
+# SysV shared memory and a message queue (ctypes: the standard library has no SysV IPC), and an
+# abstract unix socket: kernel objects that are not files, so a working dir cannot hold them.
+IPC = """import ctypes, socket
+libc = ctypes.CDLL(None, use_errno=True)
+def shm(flags):
+    return libc.shmget(0x7017, 1 << 20, flags)
+def mq(flags):
+    return libc.msgget(0x7017, flags)
+"""
+MAKE = IPC + """assert shm(0o1000 | 0o666) >= 0 and mq(0o1000 | 0o666) >= 0
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind('\\0toolrl-test-channel')
+listener.listen()
+print('made')
+"""
+LOOK = IPC + """c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    c.connect('\\0toolrl-test-channel')
+    sock = 'connected'
+except OSError:
+    sock = 'refused'
+print(shm(0o666) >= 0, mq(0o666) >= 0, sock)
+"""
+
+
+def test_ipc_and_abstract_sockets_stay_inside_their_session_and_run(c):
+    a, b = sid("ipc-a"), sid("ipc-b")
+    assert c.execute(MAKE, session_id=a).stdout == "made\n"
+    assert c.execute(LOOK, session_id=a).stdout == "True True connected\n"  # its own: still there
+    assert c.execute(LOOK, session_id=b).stdout == "False False refused\n"  # another session's: not
+    assert c.execute(LOOK).stdout == "False False refused\n"  # nor a one-shot run's
+    assert c.execute(MAKE).stdout == "made\n"
+    for _ in range(3):  # what a one-shot run made ends with it, in whichever slot runs next
+        assert c.execute(LOOK).stdout == "False False refused\n"
+
+
+# A block that writes the runner's report itself, as the runner frames it, with a NaN CPU time.
+FORGE = """import json, os, struct
+body = json.dumps({"x": 0, "oom": False, "cpu_ms": float("nan")}).encode()
+os.write(3, struct.pack(">I", len(body)) + body)
+"""
+
+
+def session_procs(c):
+    h = c._http.get("/health").json()
+    return processes_with_uid(*h["uids"]["sessions"], pid_ns=sandbox_pid_ns(h["forkserver_pid"]))
+
+
+def test_a_forged_report_does_not_end_the_block(c):
+    s = sid("forge")
+    code = FORGE + "import time\nfor _ in range(3):\n    if os.fork() == 0:\n        while True: pass\n" \
+                   "while True: pass"
+    r = c.execute(code, session_id=s, timeout_s=2)
+    assert r.status == "timeout" and r.wall_ms >= 1900, r  # not "ok" in milliseconds
+    assert "time limit" in r.session_note and not wait_for(lambda: session_procs(c))  # children too
+
+
+def test_children_do_not_outlive_their_block_even_if_the_kill_helper_is_replaced(c):
+    s = sid("helper")
+    code = ("import os, sys\nsys.modules['toolrl.executor.runner.child']._sweep_own_uid = lambda: None\n"
+            "for _ in range(3):\n    if os.fork() == 0:\n        import time\n        time.sleep(1000)\n"
+            "print('parent done')")
+    r = c.execute(code, session_id=s)
+    assert (r.status, r.stdout, r.session_note) == ("ok", "parent done\n", None), r
+    assert len(session_procs(c)) == 1  # the session's runner, waiting for its next block
+    assert c.execute("print('next')", session_id=s).stdout == "next\n"
+    assert math.isfinite(r.cpu_ms) and r.cpu_ms >= 0
+
+
+def test_writing_on_the_result_channel_loses_the_session(c):
+    s = sid("flood")
+    c.execute("x = 1", session_id=s)
+    r = c.execute(FORGE + "for _ in range(100000):\n    os.write(3, struct.pack('>I', 2) + b'{}')", session_id=s)
+    assert r.status == "killed" and "result channel" in r.session_note, r
+    r = c.execute("print(x)", session_id=s)
+    assert r.session_reset and "NameError" in r.stderr
+    other = sid("flood-other")
+    assert c.execute("print(2)", session_id=other).stdout == "2\n"
 
 
 def test_sessions_are_isolated_from_each_other(c):

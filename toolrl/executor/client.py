@@ -49,6 +49,16 @@ class _Common:
         self.retry = RetryPolicy(retries=retries, base_s=backoff_s, cap_s=max_backoff_s)
 
     @staticmethod
+    def _parse(model, resp: httpx.Response):
+        """The answer as `model`; an answer that does not fit it is the service's fault, reported as
+        an ExecutorError like every other failure of the service, never as a pydantic error."""
+        try:
+            return model.model_validate_json(resp.content)
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            raise ExecutorError(f"the executor's answer to {resp.request.url.path} is malformed: "
+                                f"{str(exc)[:300]}", resp.status_code) from None
+
+    @staticmethod
     def _exec_payload(code: str, timeout_s, memory_mb, stdin, session_id) -> dict:
         req = ExecRequest(code=code, timeout_s=timeout_s, memory_mb=memory_mb, stdin=stdin,
                           session_id=session_id)
@@ -127,7 +137,7 @@ class ExecutorClient(_Common):
                 stdin: str | None = None, session_id: str | None = None) -> ExecResult:
         payload = self._exec_payload(code, timeout_s, memory_mb, stdin, session_id)
         resp = self._request("POST", "/execute", payload, self._timeout([timeout_s]))
-        return ExecResult.model_validate_json(resp.content)
+        return self._parse(ExecResult, resp)
 
     def execute_batch(self, items: Iterable[dict | ExecRequest]) -> list[ExecResult]:
         payload = self._batch_payload(items)
@@ -135,7 +145,7 @@ class ExecutorClient(_Common):
             return []
         resp = self._request("POST", "/execute_batch", payload,
                              self._timeout([i.get("timeout_s") for i in payload["items"]]))
-        return BatchResponse.model_validate_json(resp.content).results
+        return self._parse(BatchResponse, resp).results
 
     def delete_session(self, session_id: str) -> bool:
         return bool(self._request("DELETE", _session_path(session_id)).json().get("deleted"))
@@ -183,7 +193,7 @@ class AsyncExecutorClient(_Common):
                       stdin: str | None = None, session_id: str | None = None) -> ExecResult:
         payload = self._exec_payload(code, timeout_s, memory_mb, stdin, session_id)
         resp = await self._request("POST", "/execute", payload, self._timeout([timeout_s]))
-        return ExecResult.model_validate_json(resp.content)
+        return self._parse(ExecResult, resp)
 
     async def execute_batch(self, items: Iterable[dict | ExecRequest]) -> list[ExecResult]:
         payload = self._batch_payload(items)
@@ -191,7 +201,7 @@ class AsyncExecutorClient(_Common):
             return []
         resp = await self._request("POST", "/execute_batch", payload,
                                    self._timeout([i.get("timeout_s") for i in payload["items"]]))
-        return BatchResponse.model_validate_json(resp.content).results
+        return self._parse(BatchResponse, resp).results
 
     async def delete_session(self, session_id: str) -> bool:
         return bool((await self._request("DELETE", _session_path(session_id))).json().get("deleted"))

@@ -37,9 +37,11 @@ class FrameReader:
         self.limit = limit
 
     def feed(self, data: bytes) -> None:
+        """Add bytes; FrameError as soon as the next frame says it is over the limit (so at most one
+        read's worth of complete frames and one partial frame within the limit are ever held)."""
         self.buf += data
-        if len(self.buf) > self.limit + 4:
-            raise FrameError(f"more than {self.limit} bytes buffered without a complete frame")
+        if len(self.buf) >= 4 and _LEN.unpack_from(self.buf)[0] > self.limit:
+            raise FrameError(f"frame of {_LEN.unpack_from(self.buf)[0]} bytes is over the limit of {self.limit}")
 
     def frames(self):
         while len(self.buf) >= 4:

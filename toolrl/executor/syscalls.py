@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import resource
 import signal
 
@@ -81,6 +82,31 @@ def proc_cpu_s(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / _TICK
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+_READ_SYSCALL = {"x86_64": 0, "aarch64": 63}.get(platform.machine())
+
+
+def waiting_on_read(pid: int, fd: int) -> bool | None:
+    """From /proc, never from the process: whether `pid`'s main thread is blocked in read(fd) and none
+    of its threads is running. None when this cannot be told here (another architecture, or /proc
+    refuses)."""
+    if _READ_SYSCALL is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            fields = f.read().split()
+        if not fields or fields[0] == "running" or int(fields[0]) != _READ_SYSCALL or int(fields[1], 16) != fd:
+            return False
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "R":
+                    return False
+        return True
+    except FileNotFoundError:
+        return False  # gone: its exit is on its way
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def sigchld_wakeup() -> int:

@@ -27,7 +27,7 @@ import time
 from toolrl.executor import ipc
 from toolrl.executor.forkserver import zygote
 from toolrl.executor.forkserver.lanes import Lane, LaneFactory
-from toolrl.executor.forkserver.records import Proc, Run, Session, Slot, classify, synthetic
+from toolrl.executor.forkserver.records import MAX_REPORTS, Proc, Run, Session, Slot, classify, synthetic
 from toolrl.executor.forkserver.session_runners import SESSION_UID_OFFSET, SessionRunners
 from toolrl.executor.forkserver.sweeper import Sweeper, sweep_descendants
 from toolrl.executor.forkserver.zygote import ZygoteLink
@@ -64,6 +64,7 @@ class ForkServer(SessionRunners):
         self.sweeps: dict[int, list] = {}
         self.spawns: dict[int, tuple] = {}  # tag -> (lane, owner, session, then): forks asked of a zygote
         self.oom_seen: dict[str, int] = {}
+        self.unverified_blocks = 0  # session blocks ended on their report alone (/proc could not tell)
         self.outgoing: list[dict] = []
         self.stopping = False
         self._reaping = False
@@ -251,6 +252,8 @@ class ForkServer(SessionRunners):
             except OSError as exc:
                 log.warning("lane %s: could not set the memory limit: %s", p.lane.name, exc)
         cpu_s = int(timeout) + 1
+        if p.session is not None:
+            self.kill_lane_others(p)  # anything a block started between blocks does not run into this one
         if p.session is not None and p.blocks > 0:  # the session dropped privileges already
             run.cpu0 = proc_cpu_s(p.pid)
             prlimit(p.pid, resource.RLIMIT_CPU, int(run.cpu0) + cpu_s)
@@ -375,14 +378,30 @@ class ForkServer(SessionRunners):
             self._take_reports(p, data, block_done=p.session is not None)
 
     def _take_reports(self, p: Proc, data: bytes, block_done: bool = False) -> None:
-        """Feed the result pipe; each report frame becomes `p.report` (and ends a session's block)."""
+        """Feed the result pipe. The runner writes it, and so can the code it runs: nothing in a frame is
+        believed that the kernel can tell instead (exit status, CPU time, what still runs). A one-shot
+        runner's frame becomes `p.report`. A session reports once per block, and that frame only asks
+        the fork server to check, itself, that the block has ended (confirm_block); a second frame in a
+        block, or one between blocks, is the session's own code writing there, and ends the session."""
         try:
             p.res.feed(data)
             for frame in p.res.frames():
-                if isinstance(frame, dict):
+                if not isinstance(frame, dict):
+                    continue
+                p.reports += 1
+                if p.session is None:
+                    if p.reports > MAX_REPORTS:  # a flood: stop reading it, the exit status will do
+                        self.unwatch(p.fds["res"])
+                        return
+                    p.report = frame
+                elif p.run is None or p.run.done or p.report is not None:
+                    self.kill_session(p.session.index, "its code wrote to the executor's result channel")
+                    self.unwatch(p.fds["res"])
+                    return
+                else:
                     p.report = frame
                     if block_done:
-                        self.session_block_done(p)
+                        self.confirm_block(p, p.run)
         except ipc.FrameError:
             self.unwatch(p.fds["res"])  # garbage from user code: ignore this channel, use the exit status
 
@@ -529,8 +548,8 @@ class ForkServer(SessionRunners):
             slot.pending = None
         try:
             self.lanes.clean(slot.lane)
-        except OSError as exc:
-            log.error("slot %d: could not clean its working dir: %s", slot.index, exc)
+        except Exception as exc:  # whatever a run left behind, the fork server must not die of it
+            log.error("slot %d: could not clean its working dir: %r", slot.index, exc)
             ok = False
         if not ok:
             slot.state = "down"

@@ -11,6 +11,8 @@ from toolrl.executor.forkserver.lanes import Lane
 from toolrl.executor.runner.child import MAX_JOB
 
 CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
+MAX_REPORT_BYTES = 4096  # a runner's report is under 100 bytes; anything bigger is not one
+MAX_REPORTS = 4  # report frames a one-shot run may write before its channel is ignored
 
 
 class Run:
@@ -29,14 +31,15 @@ class Proc:
     """One runner process and the fork server's ends of its pipes."""
 
     __slots__ = ("pid", "lane", "owner", "session", "fds", "job_out", "out", "err", "res", "report",
-                 "run", "blocks", "idle_bytes", "vm_base")
+                 "reports", "run", "blocks", "idle_bytes", "vm_base")
 
     def __init__(self, pid: int, lane: Lane, owner, session, fds: dict, job_w: int, cap: int, vm_base: int):
         self.pid, self.lane, self.owner, self.session, self.fds = pid, lane, owner, session, fds
         self.job_out = ipc.OutBuffer(job_w, limit=MAX_JOB)
         self.out, self.err = Capture(cap), Capture(cap)
-        self.res = ipc.FrameReader(limit=64 << 10)
+        self.res = ipc.FrameReader(limit=MAX_REPORT_BYTES)
         self.report: dict | None = None
+        self.reports = 0  # frames on the result channel so far
         self.run: Run | None = None
         self.blocks = 0
         self.idle_bytes = 0

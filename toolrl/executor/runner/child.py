@@ -1,7 +1,7 @@
 """The runner: what a runner process does between the fork server's fork() and its _exit().
 
-Root phase (before any job): join the lane's cgroups, put the pipes on fds 0-4, close every other
-inherited fd, enter the private working directory. (Signal dispositions, no_new_privs, the
+Root phase (before any job): join the lane's cgroups, enter new IPC and network namespaces, put
+the pipes on fds 0-4, close every other inherited fd, enter the private working directory. (Signal dispositions, no_new_privs, the
 environment and the stdio objects come ready from the zygote.) Then it blocks on the job pipe. With
 the job: rlimits, drop to the lane's uid, stdin, run the code as a script in one globals dict (so
 `import math` then `def f(): math.sqrt(...)` works), kill what it left behind, report, exit.
@@ -25,7 +25,7 @@ import traceback
 import types
 
 from toolrl.executor import ipc
-from toolrl.executor.syscalls import PR_SET_PDEATHSIG, become, prctl
+from toolrl.executor.syscalls import PR_SET_PDEATHSIG, become, prctl, unshare
 
 RESULT_FD, JOB_FD = 3, 4
 SETUP_FAILED = 121  # exit code: the sandbox could not be set up; no user code ran
@@ -102,6 +102,8 @@ def _root_phase(lane: dict, fds: tuple[int, ...]) -> dict:
             os.write(fd, b"0")
         finally:
             os.close(fd)
+    if lane.get("unshare"):  # the run's own IPC and network namespaces (toolrl.executor.forkserver.lanes)
+        unshare(lane["unshare"])
     if fds[0] == 4 and min(fds[1:]) >= 5:  # the zygote's layout: no source is a target of a later dup2
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
