@@ -78,6 +78,9 @@ class ExecutorConfig(Section):
     max_timeout_s: float = Field(60.0, gt=0, le=600)  # the most a request may ask for
     memory_mb: int = Field(512, ge=32)  # default memory per execution, on top of the warm interpreter
     max_memory_mb: int = Field(4096, ge=32)
+    # The most every run and session together may hold (one memory cgroup above all lanes): beyond
+    # it the kernel kills inside the sandbox, never outside. None: half of the host's memory.
+    total_memory_mb: int | None = Field(None, ge=64)
     max_output_bytes: int = Field(8192, ge=256)  # kept per stream (head and tail), with a marker between
     output_kill_bytes: int = Field(1 << 20, ge=1024)  # a run printing more than this in total is killed
     max_file_mb: int = Field(16, ge=1)  # RLIMIT_FSIZE
@@ -122,6 +125,7 @@ class RefServerConfig(Section):
     max_queue_samples: int = Field(4096, ge=1)
     max_queue_bytes: int = Field(512 << 20, ge=1 << 20)
     max_upload_bytes: int = Field(64 << 20, ge=1 << 10)
+    body_timeout_s: float = Field(30.0, gt=0, le=600)  # an upload's body must arrive within this (408)
     token_budget: int = Field(8192, ge=64)  # tokens per reference forward batch
     logprob_chunk: int = Field(1024, ge=16)  # rows per fp32 log-softmax chunk
     max_staleness: int = Field(4, ge=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from pathlib import Path
 
 import pytest
 
@@ -253,3 +254,23 @@ def test_processes_started_by_a_block_end_with_the_block(ex, c):
     h = c._http.get("/health").json()
     left = processes_with_uid(*h["uids"]["sessions"], pid_ns=sandbox_pid_ns(h["forkserver_pid"]))
     assert len(left) == 1 and "python" in left[0], left  # only the session's interpreter itself
+
+
+def test_all_sessions_together_stay_within_total_memory(tmp_path):
+    """Each session is under its own limit; together they are over executor.total_memory_mb, and the
+    kernel kills inside the sandbox (a session is lost and says so) instead of the host running out."""
+    with LocalExecutor(sets=["executor.total_memory_mb=320", "executor.memory_mb=256", "executor.workers=2"],
+                       log_path=tmp_path / "executor.log") as ex, ExecutorClient(ex.url, timeout_s=60) as c:
+        cg = c._http.get("/health").json()["isolation"].get("cgroups")
+        if not cg:
+            pytest.skip("no memory cgroup here: reported as a missing isolation layer instead")
+        base = Path(cg["memory_cgroup"])
+        assert int((base / "memory.limit_in_bytes").read_text()) == 320 << 20 and cg["total_memory_mb"] == 320
+        held = [c.execute("blob = b'x' * (120 << 20)\nprint('held')", session_id=f"mem{i}") for i in range(3)]
+        after = [c.execute("print(len(blob) >> 20)", session_id=f"mem{i}") for i in range(3)]
+        lost = [r for r in held + after if r.session_note or r.status == "oom"]
+        assert lost, (held, after)  # 3 x 120 MB do not fit in 320 MB
+        assert any(r.stdout == "120\n" for r in after)  # the others kept their state
+        assert int((base / "memory.max_usage_in_bytes").read_text()) <= 320 << 20
+        for i in range(3):
+            c.delete_session(f"mem{i}")

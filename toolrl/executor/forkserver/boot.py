@@ -51,7 +51,10 @@ def main() -> None:
     else:
         try:
             cgroups = isolation.Cgroups(f"toolrl-exec-{os.getpid()}")
-            report["cgroups"] = {"pids": True, "memory": True}
+            total = cfg.get("total_memory_bytes") or isolation.host_memory_bytes() // 2
+            cgroups.set_total_memory(total)
+            report["cgroups"] = {"pids": True, "memory": True, "total_memory_mb": total >> 20,
+                                 "memory_cgroup": cgroups.base["memory"]}
         except OSError as exc:
             report["missing"].append(f"cgroup: {isolation.IMPACT['cgroup']} ({exc})")
     isolation.enter_namespaces(report, disabled)

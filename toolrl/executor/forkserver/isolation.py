@@ -295,6 +295,10 @@ class Cgroups:
         _write(os.path.join(self.base["pids"], lane, "pids.max"), str(max_pids))
         return procs
 
+    def set_total_memory(self, nbytes: int) -> None:
+        """Bound all lanes together: the group above them (hierarchical, as v1 always is now)."""
+        _write(os.path.join(self.base["memory"], "memory.limit_in_bytes"), str(nbytes))
+
     def set_memory(self, lane: str, nbytes: int) -> None:
         if self.mem_limit.get(lane) != nbytes:
             _write(os.path.join(self.base["memory"], lane, "memory.limit_in_bytes"), str(nbytes))
@@ -319,6 +323,10 @@ class Cgroups:
     def remove_all(self) -> None:
         for base in self.base.values():
             _rmdir_tree(base)
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _cgroup_v1_mounts() -> dict[str, str]:

@@ -83,6 +83,7 @@ class ForkServerLink:
                 "heavy_modules": list(c.heavy_modules),
                 "disabled": list(c.disable_isolation),
                 "max_output_bytes": c.max_output_bytes, "output_kill_bytes": c.output_kill_bytes,
+                "total_memory_bytes": (c.total_memory_mb << 20) if c.total_memory_mb else None,
                 "limits": {"fsize": c.max_file_mb << 20, "nofile": c.max_open_files, "nproc": c.max_procs,
                            "disk_mb": c.scratch_mb}}
 
