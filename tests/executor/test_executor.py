@@ -169,6 +169,19 @@ def test_hangs_are_killed_at_the_deadline(s, name):
     assert 0.9 <= r.wall_ms / 1000 < 3.0 and took < 6.0, (r.wall_ms, took)
 
 
+def test_what_was_printed_before_a_kill_is_kept(s):
+    r = s.run("import os, sys\nprint('before the loop')\nprint('to stderr', file=sys.stderr)\nwhile True: pass",
+              timeout_s=1)
+    assert r.status == "timeout" and r.stdout == "before the loop\n" and r.stderr.startswith("to stderr\n"), r
+    r = s.run("import os, signal\nprint('before the crash')\nos.kill(os.getpid(), signal.SIGSEGV)")
+    assert r.status == "error" and r.stdout == "before the crash\n", r
+
+
+def test_no_pseudo_terminals(s):
+    r = s.run("import os\ntry:\n    os.openpty()\n    print('pty')\nexcept OSError as e:\n    print('no pty')")
+    assert (r.status, r.stdout) == ("ok", "no pty\n"), r
+
+
 # -- processes and threads ---------------------------------------------------------------------------
 
 def test_fork_bomb(s):
@@ -235,8 +248,8 @@ def test_invalid_utf8_is_replaced(s):
 
 
 def test_closing_stdout(s):
-    r = s.run("import os\nos.close(1)\nprint('lost')")
-    assert r.status == "ok" and r.stdout == ""
+    r = s.run("import os\nos.close(1)\nprint('lost')")  # line-buffered: the print itself fails, as it would in a shell
+    assert r.status == "error" and r.stdout == "" and "Bad file descriptor" in r.stderr, r
     r = s.run("import sys\nsys.stdout.close()\nprint('x')")
     assert r.status == "error" and "closed file" in r.stderr
 

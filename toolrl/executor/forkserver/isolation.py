@@ -156,6 +156,15 @@ def setup_filesystem(report: dict, scratch_mb: int) -> str:
     for _, fd in keep:
         os.close(fd)
     fs["hidden"] = hidden
+    # No pseudo-terminals: /dev/ptmx would allocate in the host's devpts (shared with the host's
+    # terminals and its pty limit). /dev/null over it: opening works, making a pty does not.
+    for ptmx in ("/dev/ptmx", "/dev/pts/ptmx"):
+        if os.path.exists(ptmx):
+            try:
+                mount("/dev/null", ptmx, None, MS_BIND)
+                fs.setdefault("no_pty", []).append(ptmx)
+            except OSError as exc:
+                report.setdefault("warnings", []).append(f"could not hide {ptmx}: {exc}")
     try:
         keep = _statvfs_flags("/")
         mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | keep)

@@ -175,9 +175,11 @@ def prepare_parent(base_path: list[str], handled: tuple[int, ...]) -> None:
     PARENT_HANDLED[:] = handled
     os.environ.clear()
     os.environ.update(ENV)
+    # Line-buffered, as on a terminal: what a run printed before it was killed (a time limit, a
+    # crash) reaches the pipe, instead of dying in an 8 KiB buffer.
     _STDIO = (open(0, "r", encoding="utf-8", errors="replace", closefd=False),
-              open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False),
-              open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False))
+              open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1),
+              open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1))
     tempfile.tempdir = None  # computed in the child, from TMPDIR (the working dir)
 
 
