@@ -13,7 +13,9 @@
 # executor is restarted if it dies; a dead gen worker is reported and the others carry on.
 # At the end: RUN_DIR/summary.json (with a sync check of every worker) and RUN_DIR/curves.png.
 #
-# More gen workers can join at any time, from this node or another:
+# Every service gets a per-run bearer token (unless the config sets one), kept in RUN_DIR/tokens.env.
+# More gen workers can join at any time, from this node or another, with those tokens:
+#   set -a; . RUN_DIR/tokens.env; set +a
 #   python gen_worker.py --config CFG --set ref_server.url=http://HEAD:PORT \
 #       --set executor.url=http://HEAD:PORT --host 0.0.0.0 --public-url http://THIS_NODE:PORT
 set -euo pipefail
@@ -48,10 +50,19 @@ RUN_DIR=${RUN_DIR:-runs/$(date +%Y%m%d-%H%M%S)}
 # values this script needs, one per line.
 mapfile -t V < <("$PY" config.py --config "$CONFIG" "${SETS[@]}" --get executor.port --get ref_server.port \
   --get rollout.port --get launch.workers --get launch.ref_gpu --get launch.worker_gpus \
-  --get launch.learner_gpus --get model.name || echo FAILED)
-[ ${#V[@]} = 8 ] || exit 2
+  --get launch.learner_gpus --get model.name --get executor.token --get ref_server.token \
+  --get rollout.token || echo FAILED)
+[ ${#V[@]} = 11 ] || exit 2
 EX_PORT=${V[0]}; REF_PORT=${V[1]}; W_PORT=${V[2]}; WORKERS=${V[3]}
 REF_GPU=${V[4]}; WORKER_GPUS=${V[5]}; LEARNER_GPUS=${V[6]}; MODEL=${V[7]}
+# Every service takes a bearer token: each one the config (or the environment) leaves unset gets a
+# fresh one for this run. They reach the processes in the environment, never on a command line
+# (which `ps` shows every user), and are kept in RUN_DIR/tokens.env (mode 0600) for workers that
+# join from elsewhere (`set -a; . RUN_DIR/tokens.env; set +a` before starting them).
+new_token() { "$PY" -c "import secrets; print(secrets.token_urlsafe(24))"; }
+export TOOLRL_EXECUTOR_TOKEN=${V[8]:-$(new_token)}
+export TOOLRL_REF_SERVER_TOKEN=${V[9]:-$(new_token)}
+export TOOLRL_ROLLOUT_TOKEN=${V[10]:-$(new_token)}
 # GPU ids count within what this node gives us: if CUDA_VISIBLE_DEVICES is already set (a batch
 # scheduler's allocation), id i is its i-th entry; every id named must exist.
 OUTER=${CUDA_VISIBLE_DEVICES-}; OUTER=${OUTER// /}; OUTER_SET=${CUDA_VISIBLE_DEVICES+1}  # set but empty: no GPU
@@ -85,7 +96,9 @@ fi
 if [ -z "$DRY_RUN" ]; then
   mkdir -p "$RUN_DIR/logs"
   RUN_DIR=$(cd "$RUN_DIR" && pwd)
-  "$PY" config.py --config "$CONFIG" "${SETS[@]}" --print > "$RUN_DIR/config.yaml"
+  "$PY" config.py --config "$CONFIG" "${SETS[@]}" --print > "$RUN_DIR/config.yaml"  # tokens shown as ***
+  (umask 077; printf 'TOOLRL_EXECUTOR_TOKEN=%s\nTOOLRL_REF_SERVER_TOKEN=%s\nTOOLRL_ROLLOUT_TOKEN=%s\n' \
+    "$TOOLRL_EXECUTOR_TOKEN" "$TOOLRL_REF_SERVER_TOKEN" "$TOOLRL_ROLLOUT_TOKEN" > "$RUN_DIR/tokens.env")
 fi
 SETS+=(--set "executor.url=http://127.0.0.1:$EX_PORT" --set "ref_server.url=http://127.0.0.1:$REF_PORT")
 COMMON=(--config "$CONFIG" "${SETS[@]}")
@@ -127,10 +140,11 @@ start() {  # start NAME GPUS CMD...: its own session (process group), log file a
   PIDS[$name]=$!
 }
 
-wait_health() {  # wait_health NAME URL TIMEOUT_S
+wait_health() {  # wait_health NAME URL TIMEOUT_S [TOKEN_ENV_VAR]: the executor's /health takes its token
   [ -n "$DRY_RUN" ] && return 0
-  local name=$1 url=$2 deadline=$(( $(date +%s) + $3 ))
-  until "$PY" -c "import httpx,sys; sys.exit(httpx.get('$url', timeout=2).status_code != 200)" 2>/dev/null; do
+  local name=$1 url=$2 deadline=$(( $(date +%s) + $3 )) var=${4:-}
+  until "$PY" -c "import httpx, os, sys; t = os.environ.get('$var') if '$var' else None
+sys.exit(httpx.get('$url', timeout=2, headers={'Authorization': f'Bearer {t}'} if t else {}).status_code != 200)" 2>/dev/null; do
     if ! kill -0 "${PIDS[$name]}" 2>/dev/null; then
       echo "launch.sh: $name died while starting; last lines of $RUN_DIR/logs/$name.log:" >&2
       tail -n 30 "$RUN_DIR/logs/$name.log" >&2; exit 1
@@ -150,7 +164,7 @@ else
 fi
 start executor "" "$PY" executor_service.py "${COMMON[@]}" --port "$EX_PORT"
 start ref_server "$REF_GPU" "$PY" ref_server.py "${COMMON[@]}" --port "$REF_PORT"
-wait_health executor "http://127.0.0.1:$EX_PORT/health" 120
+wait_health executor "http://127.0.0.1:$EX_PORT/health" 120 TOOLRL_EXECUTOR_TOKEN
 wait_health ref_server "http://127.0.0.1:$REF_PORT/health" 600
 IFS=, read -r -a WGPU <<< "$WORKER_GPUS"
 NCPU=$(nproc)
@@ -208,7 +222,7 @@ while kill -0 "${PIDS[learner]}" 2>/dev/null; do
     fi
   done
   # Workers that joined from elsewhere also count: only give up when the registry is empty too.
-  if [ $alive = 0 ] && ! "$PY" -c "import sys; from toolrl.refserver.client import RefServerClient as C; sys.exit(not C('http://127.0.0.1:$REF_PORT', timeout_s=5).workers())" 2>/dev/null; then
+  if [ $alive = 0 ] && ! "$PY" -c "import os, sys; from toolrl.refserver.client import RefServerClient as C; sys.exit(not C('http://127.0.0.1:$REF_PORT', token=os.environ['TOOLRL_REF_SERVER_TOKEN'], timeout_s=5).workers())" 2>/dev/null; then
     echo "launch.sh: no gen worker left; stopping" >&2; exit 1
   fi
   sleep 2

@@ -130,3 +130,19 @@ def test_auto_dtype_is_bf16_only_where_the_machine_computes_it_natively():
     for path in ("cpu_demo.yaml", "cpu_code.yaml"):  # the CPU recipes let the machine choose
         cfg = load_config(ROOT / "configs" / path)
         assert cfg.model.dtype == cfg.learner.dtype == "auto"
+
+
+def test_tokens_come_from_the_environment_and_a_set_wins(monkeypatch):
+    monkeypatch.setenv("TOOLRL_REF_SERVER_TOKEN", "from-env")
+    monkeypatch.setenv("TOOLRL_EXECUTOR_TOKEN", "ex-env")
+    cfg = load_config("configs/cpu_tiny.yaml", ["executor.token=from-set"])
+    assert (cfg.ref_server.token, cfg.executor.token, cfg.rollout.token) == ("from-env", "from-set", None)
+
+
+def test_tokens_never_reach_a_written_config():
+    from toolrl.config import dump_config, redacted
+
+    cfg = load_config("configs/cpu_tiny.yaml", ["executor.token=ex-secret", "rollout.token=ro-secret"])
+    text = dump_config(cfg)
+    assert "secret" not in text and text.count("token: '***'") == 2
+    assert redacted(cfg)["ref_server"]["token"] is None and cfg.executor.token == "ex-secret"  # not changed

@@ -88,6 +88,22 @@ def test_checkpoints_and_export(run):
     assert meta == {"step": 3, "policy_version": 3}
 
 
+def test_every_service_ran_with_a_per_run_token_kept_out_of_written_files(run):
+    """launch.sh gave each service its own token (the run above worked through all of them), kept
+    in a file only the user can read, and nowhere else it writes."""
+    import stat
+
+    run_dir, out = run
+    env = dict(line.split("=", 1) for line in (run_dir / "tokens.env").read_text().splitlines())
+    assert set(env) == {"TOOLRL_EXECUTOR_TOKEN", "TOOLRL_REF_SERVER_TOKEN", "TOOLRL_ROLLOUT_TOKEN"}
+    assert len(set(env.values())) == 3 and all(len(v) >= 32 for v in env.values())
+    assert stat.S_IMODE((run_dir / "tokens.env").stat().st_mode) == 0o600
+    written = [out, (run_dir / "config.yaml").read_text()] + [p.read_text(errors="replace")
+                                                            for p in (run_dir / "logs").glob("*.log")]
+    assert not any(v in text for v in env.values() for text in written)
+    assert "token: '***'" in (run_dir / "config.yaml").read_text()
+
+
 def test_a_bf16_run_end_to_end(tmp_path):
     """The demo's dtype on hosts with native bf16, through the whole system: rollouts, the learner's
     mixed precision and the sync all in bf16. The worker's logprobs match the export only to bf16's

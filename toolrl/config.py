@@ -7,6 +7,7 @@ error that names the key instead of a silently ignored setting.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -142,6 +143,10 @@ class RolloutConfig(Section):
     token: str | None = None
     worker_id: str | None = None
     public_url: str | None = None  # the URL the learner uses to reach this worker
+    # Hosts the learner sends weights (and this token) to although the reference server takes
+    # registrations without a token. With ref_server.token set, a registered worker is trusted; without
+    # one, anyone could register any URL, so only loopback and these hosts get anything.
+    trusted_hosts: list[str] = Field(default_factory=list)
     prompts_per_step: int = Field(4, ge=1)
     group_size: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0)
@@ -464,6 +469,10 @@ def _format_error(err: ValidationError, overrides: dict[str, Any]) -> str:
     return f"config error: {key}={value!r}: {msg}"
 
 
+TOKEN_ENV = {"executor": "TOOLRL_EXECUTOR_TOKEN", "ref_server": "TOOLRL_REF_SERVER_TOKEN",
+             "rollout": "TOOLRL_ROLLOUT_TOKEN"}
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     tree: dict = {}
     if path is not None:
@@ -479,6 +488,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"config error: {p} must hold a mapping at the top level")
         tree = loaded
+    # Secrets come from the environment rather than a command line (which `ps` shows to every user):
+    # launch.sh passes its per-run tokens this way. A --set still wins.
+    for section, var in TOKEN_ENV.items():
+        if os.environ.get(var):
+            _set_dotted(tree, f"{section}.token", os.environ[var])
     parsed: dict[str, Any] = {}
     for item in overrides or []:
         key, value = parse_override(item)
@@ -505,8 +519,17 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise SystemExit(2) from None
 
 
+def redacted(cfg: Config) -> dict:
+    """The config as data with every token replaced by "***": what is written to files and loggers."""
+    tree = cfg.model_dump(mode="json")
+    for section in TOKEN_ENV:
+        if tree[section].get("token"):
+            tree[section]["token"] = "***"
+    return tree
+
+
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(redacted(cfg), sort_keys=False)
 
 
 def main(argv: list[str] | None = None) -> None:

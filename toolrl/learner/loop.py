@@ -84,7 +84,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
         t, deadline = time.time(), time.time() + min(300.0, cfg.eval.timeout_s)
         while True:
             try:
-                res = evaluate_on_worker(cfg, ref.workers(), trainer.version, sync.pushed)
+                res = evaluate_on_worker(cfg, sync.trusted(ref.workers()), trainer.version, sync.pushed)
                 break
             except Exception as exc:
                 if "no live worker" not in str(exc) or time.time() > deadline:

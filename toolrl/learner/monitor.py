@@ -7,6 +7,7 @@ import math
 import os
 from pathlib import Path
 
+from toolrl.config import redacted
 
 
 class Monitor:
@@ -28,7 +29,7 @@ class Monitor:
             os.environ.setdefault("WANDB_SILENT", "true")
             self.wandb = wandb.init(project=cfg.logging.wandb_project, name=run_name or cfg.logging.run_name,
                                     mode=cfg.logging.wandb_mode, dir=str(self.dir),
-                                    config=cfg.model_dump(mode="json"))
+                                    config=redacted(cfg))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.rank != 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
+from urllib.parse import urlsplit
 
 from toolrl.config import Config
 from toolrl.net import RetryPolicy
@@ -18,6 +19,7 @@ from toolrl.weightsync.process_group import ProcessGroupTransport
 from toolrl.weightsync.transport import Transport, WeightSyncError
 
 log = logging.getLogger("learner")
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 def make_transport(cfg: Config) -> Transport:
@@ -36,6 +38,7 @@ class WeightSync:
         self.failures: dict[str, str] = {}  # worker id -> last error
         self.pushed: dict[tuple[str, str], int] = {}  # (id, url) -> version it confirmed loading
         self.last: dict = {}
+        self.refused: set[str] = set()  # untrusted worker URLs, logged once
 
     def _push_one(self, worker: dict, named, version: int) -> dict:
         err = None
@@ -50,10 +53,26 @@ class WeightSync:
                     time.sleep(self.retry.delay(attempt))
         raise err  # type: ignore[misc]
 
+    def trusted(self, workers: list[dict]) -> list[dict]:
+        """The workers the learner may send weights and the rollout token to. With a reference-server
+        token only its holders can register, so every registered worker is; without one anyone who
+        reaches the reference server could register any URL, so only loopback and rollout.trusted_hosts
+        are (the rest are logged once and left out)."""
+        if self.cfg.ref_server.token:
+            return workers
+        allowed = LOOPBACK | set(self.cfg.rollout.trusted_hosts)
+        ok = [w for w in workers if urlsplit(w["url"]).hostname in allowed]
+        for w in workers:
+            if w not in ok and w["url"] not in self.refused:
+                self.refused.add(w["url"])
+                log.error("not sending weights to worker %s at %s: the reference server takes registrations "
+                          "without a token, and that host is not in rollout.trusted_hosts", w["id"], w["url"])
+        return ok
+
     def push(self, named, version: int, workers: list[dict] | None = None) -> dict:
         """Push to the given (default: all live) workers in parallel; report who failed."""
         t0 = time.time()
-        workers = self.ref.workers() if workers is None else workers
+        workers = self.trusted(self.ref.workers() if workers is None else workers)
         ok, failed = {}, {}
         if workers:
             with cf.ThreadPoolExecutor(max_workers=min(8, len(workers))) as pool:
@@ -76,7 +95,7 @@ class WeightSync:
 
     def catch_up(self, state_fn, version: int) -> int:
         """Push the current weights to live workers that are behind (late joiners, earlier failures)."""
-        live = self.ref.workers()
+        live = self.trusted(self.ref.workers())
         keys = {(w["id"], w["url"]) for w in live}
         self.pushed = {k: v for k, v in self.pushed.items() if k in keys}  # forget workers that left
         self.transport.forget(keys)
