@@ -45,17 +45,61 @@ def auth_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-async def read_body_capped(request: Request, max_bytes: int) -> bytes:
-    """The request body, refusing with 413 as soon as it passes `max_bytes` (never buffers more)."""
+class ByteBudget:
+    """Bytes that requests hold at once (bodies being received, or waiting to be decoded), bounded:
+    a request that would pass `limit` gets 503 + Retry-After instead of memory."""
+
+    def __init__(self, limit: int, what: str = "request bodies"):
+        self.limit, self.what, self.held = limit, what, 0
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.limit:
+            raise HTTPException(status_code=503, headers={"Retry-After": "1"},
+                                detail=f"busy: {self.held} bytes of {self.what} held, limit {self.limit}; retry")
+        self.held += n
+
+    def release(self, n: int) -> None:
+        self.held -= n
+
+
+async def read_body_capped(request: Request, max_bytes: int, timeout_s: float | None = None,
+                           budget: ByteBudget | None = None) -> bytes:
+    """The request body, refusing with 413 as soon as it passes `max_bytes` (never buffers more).
+
+    `timeout_s`: the whole body must arrive within it, else 408 (and the connection is closed): a
+    client that stalls or trickles holds nothing for longer. `budget`: the bytes are taken from it as
+    they arrive (given back here on any failure; on success the caller releases len(body))."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise HTTPException(status_code=413, detail=f"body of {declared} bytes is over the limit of {max_bytes}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise HTTPException(status_code=413, detail=f"body is over the limit of {max_bytes} bytes")
-        chunks.append(chunk)
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            if size + len(chunk) > max_bytes:
+                raise HTTPException(status_code=413, detail=f"body is over the limit of {max_bytes} bytes")
+            if budget is not None:
+                budget.take(len(chunk))
+            size += len(chunk)
+            chunks.append(chunk)
+
+    try:
+        if timeout_s is None:
+            await read()
+        else:
+            async with asyncio.timeout(timeout_s):
+                await read()
+    except TimeoutError:
+        if budget is not None:
+            budget.release(size)
+        raise HTTPException(status_code=408, headers={"Connection": "close"},
+                            detail=f"request body not complete within {timeout_s:g}s "
+                                   f"({size} of {declared or '?'} bytes arrived)") from None
+    except BaseException:
+        if budget is not None:
+            budget.release(size)
+        raise
     return b"".join(chunks)
 
 

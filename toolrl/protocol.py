@@ -200,6 +200,8 @@ def read_header(head: bytes | memoryview, size: int | None, schema: str) -> tupl
         meta_header = header.get("__metadata__") if isinstance(header, dict) else None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptPayload(f"header is not valid JSON: {exc}") from None
+    except RecursionError:  # json's parser recurses per nesting level: refuse, never crash
+        raise CorruptPayload("header JSON is nested too deep") from None
     if not isinstance(meta_header, dict):
         raise CorruptPayload("payload carries no toolrl metadata")
     got_schema, got_version = meta_header.get("schema"), meta_header.get("version")
@@ -217,6 +219,8 @@ def parse_meta(meta_json: str) -> dict[str, Any]:
         meta = json.loads(meta_json)
     except json.JSONDecodeError as exc:
         raise CorruptPayload(f"meta is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise CorruptPayload("meta JSON is nested too deep") from None
     if not isinstance(meta, dict):
         raise CorruptPayload("meta must be a JSON object")
     return meta

@@ -1,12 +1,15 @@
 """The reference server's parts on their own: queue bounds/order/staleness, batch planning, registry."""
 import asyncio
+import gc
 import itertools
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+import torch
 
-from toolrl.protocol import Sample
+from toolrl.protocol import Sample, ToolCall, decode_samples, encode_samples
 from toolrl.refserver.app import Replay
 from toolrl.refserver.queue import AsyncSampleQueue, GroupTooLarge, QueueFull, SampleQueue, sample_nbytes
 from toolrl.refserver.reference import plan_batches
@@ -264,3 +267,86 @@ def test_plan_batches_keeps_a_long_sample_from_padding_short_ones():
     lengths = [10, 12, 11, 1000, 13]
     batches = plan_batches(lengths, 8192)
     assert sorted(map(sorted, batches)) == [[0, 1, 2, 4], [3]]
+
+
+def test_a_live_worker_id_cannot_be_taken_by_another_url():
+    now = [0.0]
+    reg = WorkerRegistry(ttl_s=10, clock=lambda: now[0])
+    reg.register("w1", "http://127.0.0.1:1", {"gpus": 1})
+    now[0] = 9.0
+    with pytest.raises(RegistryError, match="is live at http://127.0.0.1:1") as e:
+        reg.register("w1", "http://evil:6666")
+    assert e.value.status == 409
+    assert reg.live()[0]["url"] == "http://127.0.0.1:1" and reg.heartbeat("w1", 2) is not None  # untouched
+    reg.register("w1", "http://127.0.0.1:1")  # the same worker, restarted: allowed, a fresh entry
+    assert reg.live()[0]["capabilities"] == {}
+    now[0] = 25.0  # ... but one that stopped heartbeating can be replaced once it has expired
+    reg.register("w1", "http://127.0.0.1:2")
+    assert [w["url"] for w in reg.live()] == ["http://127.0.0.1:2"]
+
+
+def test_kept_json_objects_are_bounded_in_depth():
+    reg = WorkerRegistry(ttl_s=10)
+    deep = ok = {}
+    for _ in range(40):
+        deep = {"a": deep}
+    for _ in range(31):
+        ok = {"a": ok}
+    reg.register("w1", "http://x:1", ok)  # 32 levels: fine
+    with pytest.raises(RegistryError, match="nested deeper than 32") as e:
+        reg.register("w2", "http://x:2", deep)
+    assert e.value.status == 400
+    for bad in (deep, {"l": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}):
+        with pytest.raises(RegistryError, match="nested deeper"):
+            reg.heartbeat("w1", 0, bad)
+        with pytest.raises(RegistryError, match="nested deeper"):
+            reg.set_resume_states({"w1": bad})
+
+
+def _held_bytes(body: bytes, with_ref: bool) -> tuple[list[Sample], int]:
+    """What decoding `body` leaves allocated (tracemalloc), optionally after the reference's
+    ref_logprobs are attached the way the queue attaches them."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        samples, _ = decode_samples(body, max_bytes=1 << 30)
+        if with_ref:
+            lp = torch.randn(len(samples), max(len(s.completion_ids) for s in samples) or 1)
+            samples = [s.model_copy(update={"ref_logprobs": lp[i, :len(s.completion_ids)].tolist()})
+                       for i, s in enumerate(samples)]
+            del lp
+        del _
+        gc.collect()
+        return samples, tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def _big(**kw) -> Sample:
+    fields = dict(prompt_ids=[1000, 1001, 1002], completion_ids=[2000, 2001, 2002, 2003], loss_mask=[1, 1, 0, 1],
+                  logprobs=[-0.5, -1.0, None, -2.0], group_id="g", rewards={"correct": 1.0}, text="t")
+    return Sample(**{**fields, **kw})
+
+
+@pytest.mark.parametrize("name,group", [
+    ("huge group id", [_big(group_id="g" * (1 << 20))]),
+    ("huge reward names", [_big(rewards={f"r{i:06d}" + "x" * 50: 1.0 for i in range(20000)})]),
+    ("many small reward names", [_big(rewards={str(i): float(i) for i in range(50000)})]),
+    ("wide reward names", [_big(rewards={"é" * 100000: 1.0, "😀" * 100000: 2.0})]),
+    ("huge tool outputs", [_big(tool_calls=[ToolCall(code="c" * 1000, status="ok", output="o" * 100000)] * 20)]),
+    ("many tool calls", [_big(tool_calls=[ToolCall(code="", status="ok", output="")] * 10000)]),
+    ("wide text", [_big(text="😀" * 200000)]),
+    ("tokens", [_big(prompt_ids=list(range(1000, 1200)), completion_ids=list(range(3000, 5000)),
+                     loss_mask=[1] * 2000, logprobs=[-0.25] * 2000) for _ in range(4)]),
+])
+def test_sample_nbytes_bounds_what_a_decoded_sample_holds(name, group):
+    """The queue's byte bound is only as good as this estimate: it must cover everything a sample
+    makes the server hold (strings, dict keys, tool records, then ref_logprobs), and not overstate it
+    much (the bound would waste memory). Checked against tracemalloc."""
+    body = encode_samples(group)
+    samples, held = _held_bytes(body, with_ref=False)
+    est = sum(sample_nbytes(s) for s in samples)
+    _, held_with_ref = _held_bytes(body, with_ref=True)
+    assert est >= held_with_ref, (name, est, held_with_ref)
+    assert est <= 3 * held, (name, est, held)

@@ -17,16 +17,18 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from toolrl.config import Config
-from toolrl.protocol import CONTENT_TYPE, PayloadTooLarge, WireFormatError, decode_samples, encode_samples
-from toolrl.net import bearer_auth, install_error_handlers, read_body_capped
+from toolrl.protocol import CONTENT_TYPE, PayloadTooLarge, Sample, WireFormatError, decode_samples, encode_samples
+from toolrl.net import ByteBudget, bearer_auth, install_error_handlers, read_body_capped
 from toolrl.refserver import metrics
+from toolrl.refserver.checks import AheadOfLearner, Refused, check_versions
 from toolrl.refserver.queue import AsyncSampleQueue, GroupTooLarge, QueueFull, SampleQueue
 from toolrl.refserver.reference import Reference
 from toolrl.refserver.registry import RegistryError, WorkerRegistry
 
 MAX_UPLOAD_WAIT_S = 60.0  # a client may ask /upload to wait this long for space
 MAX_UPLOAD_WAITERS = 64  # uploads waiting for space at once (each holds its decoded group)
-MAX_CONCURRENT_DECODES = 4  # bodies read and decoded at once; the rest wait unread (uvicorn pauses them)
+MAX_CONCURRENT_DECODES = 4  # bodies decoded at once (CPU); reading happens outside, under a deadline
+BODY_BUDGET_UPLOADS = 4  # bodies held undecoded (arriving or waiting to decode): this many max_upload_bytes
 INLINE_CODEC_BYTES = 256 << 10  # smaller payloads are (de)coded on the loop: a thread hop costs more
 
 
@@ -96,7 +98,11 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     registry = WorkerRegistry(rs.worker_ttl_s, on_expire=lambda w: log.warning(
         "worker %s (%s) expired: no heartbeat for %.0fs", w.id, w.url, rs.worker_ttl_s))
     uploads, batches = Replay(10_000, 600.0), Replay(8, 600.0)
-    http = {"uploads_rejected": 0, "uploads_too_large": 0}
+    http = {"uploads_rejected": 0, "uploads_too_large": 0, "uploads_timed_out": 0, "uploads_busy": 0,
+            "uploads_ahead_of_learner": 0}
+    rejected_by_field: dict[str, int] = {}  # 400s for a sample's content, by the field at fault
+    version_known = [False]  # has the learner announced its version since this server started?
+    bodies = ByteBudget(BODY_BUDGET_UPLOADS * rs.max_upload_bytes, "upload bodies")
     started = time.monotonic()
     tasks: list[asyncio.Task] = []
     decoding = asyncio.Semaphore(MAX_CONCURRENT_DECODES)
@@ -107,7 +113,8 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         flat = {"queue_depth": q["samples"], "queue_ready": q["ready"], "samples_in": q["samples_in"],
                 "samples_out": q["samples_out"], "dropped_stale": q["dropped_stale"],
                 "ref_tokens_per_s": ref["tokens_per_s_last_60s"], "workers_live": len(registry)}
-        return {**flat, "queue": q, "reference": ref, "workers": registry.stats(), "http": dict(http),
+        return {**flat, "queue": q, "reference": ref, "workers": registry.stats(),
+                "http": {**http, "rejected_by_field": dict(rejected_by_field), "body_bytes_held": bodies.held},
                 "uptime_s": round(time.monotonic() - started, 3)}
 
     async def sweep() -> None:
@@ -142,10 +149,16 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     auth = [Depends(bearer_auth(rs.token))]
     registry_metrics = metrics.metrics_registry(stats)
 
-    def reject(status: int, reason: str) -> HTTPException:
-        http["uploads_too_large" if status == 413 else "uploads_rejected"] += 1
+    def reject(status: int, reason: str, field: str | None = None, headers: dict | None = None) -> HTTPException:
+        http[{413: "uploads_too_large", 408: "uploads_timed_out"}.get(status, "uploads_rejected")] += 1
+        if field is not None:
+            rejected_by_field[field] = rejected_by_field.get(field, 0) + 1
         log.warning("upload rejected (%d): %s", status, reason)
-        return HTTPException(status_code=status, detail=reason)
+        return HTTPException(status_code=status, detail=reason, headers=headers)
+
+    def busy(counter: str, reason: str) -> HTTPException:
+        http[counter] += 1
+        return _busy(reason)
 
     @app.post("/upload", dependencies=auth)
     async def upload(request: Request, wait_s: float = Query(0.0, ge=0, le=MAX_UPLOAD_WAIT_S)):
@@ -166,19 +179,44 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         uploads.put(upload_id, result)
         return result
 
+    def decode_and_check(body: bytes) -> list[Sample]:
+        samples, _extra = decode_samples(body, rs.max_upload_bytes)
+        reference.validate(samples)
+        return samples
+
+    async def receive(request: Request) -> list[Sample]:
+        """Read the body under its deadline and the byte budget, then decode it in one of the few
+        decode slots. Reading is outside the slots: a stalled client cannot hold one."""
+        body = await read_body_capped(request, rs.max_upload_bytes, timeout_s=rs.body_timeout_s, budget=bodies)
+        try:
+            try:
+                async with asyncio.timeout(rs.body_timeout_s):
+                    await decoding.acquire()
+            except TimeoutError:
+                raise _busy(f"no decode slot free within {rs.body_timeout_s:g}s; retry") from None
+            try:
+                return await _off_loop(len(body) > INLINE_CODEC_BYTES, decode_and_check, body)
+            finally:
+                decoding.release()
+        finally:
+            bodies.release(len(body))
+
     async def admit(request: Request, wait_s: float) -> dict[str, Any]:
         ctype = request.headers.get("content-type", "")
         if ctype.startswith(("application/json", "text/")):
             raise reject(400, f"expected a {CONTENT_TYPE} body (toolrl.protocol.encode_samples), got {ctype}")
         try:
-            async with decoding:
-                body = await read_body_capped(request, rs.max_upload_bytes)
-                samples, _extra = await _off_loop(len(body) > INLINE_CODEC_BYTES, decode_samples, body,
-                                                  rs.max_upload_bytes)
-                del body
-            reference.validate(samples)
+            samples = await receive(request)
+            # On the loop, after any await: the learner's version as of admission.
+            check_versions(samples, queue.core.learner_version, version_known[0])
         except HTTPException as exc:
-            raise reject(exc.status_code, str(exc.detail)) from None
+            if exc.status_code == 503:
+                raise busy("uploads_busy", str(exc.detail)) from None
+            raise reject(exc.status_code, str(exc.detail), headers=exc.headers) from None
+        except AheadOfLearner as exc:
+            raise busy("uploads_ahead_of_learner", str(exc)) from None
+        except Refused as exc:
+            raise reject(400, f"refused upload: {exc}", field=exc.field) from None
         except PayloadTooLarge as exc:
             raise reject(413, str(exc)) from None
         except WireFormatError as exc:
@@ -201,7 +239,10 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     async def batch(request: Request, max_samples: int = Query(64, ge=1, le=1 << 20),
                     max_tokens: int = Query(1 << 20, ge=1), min_samples: int = Query(1, ge=1),
                     wait_s: float | None = Query(None, ge=0, le=300),
-                    request_id: str | None = Query(None, max_length=128)):
+                    request_id: str | None = Query(None, max_length=128),
+                    version: int | None = Query(None, ge=0)):
+        if version is not None:  # the learner's version, so a restarted server learns it without a push
+            announce(version, forward_only=True)
         if request_id is not None:
             if (done := batches.get(request_id)) is not None:
                 return Response(done, media_type=CONTENT_TYPE)
@@ -227,14 +268,21 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
             if request_id is not None:
                 batches.in_flight.discard(request_id)
 
-    @app.post("/version", dependencies=auth)
-    async def version(body: VersionBody):
-        old = queue.core.learner_version
-        if body.version < old:
-            log.warning("learner version went back from %d to %d (resumed from a checkpoint?)", old, body.version)
-        dropped = queue.set_version(body.version)
+    def announce(v: int, forward_only: bool = False) -> tuple[int, int]:
+        """The learner's version is `v` -> (previous, dropped stale)."""
+        old, version_known[0] = queue.core.learner_version, True
+        if v == old or (forward_only and v < old):
+            return old, 0
+        if v < old:
+            log.warning("learner version went back from %d to %d (resumed from a checkpoint?)", old, v)
+        dropped = queue.set_version(v)
         if dropped:
-            log.info("learner v%d: dropped %d stale samples", body.version, dropped)
+            log.info("learner v%d: dropped %d stale samples", v, dropped)
+        return old, dropped
+
+    @app.post("/version", dependencies=auth)
+    async def set_version(body: VersionBody):
+        old, dropped = announce(body.version)
         return {"version": body.version, "previous": old, "dropped_stale": dropped}
 
     @app.post("/workers", dependencies=auth)

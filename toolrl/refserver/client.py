@@ -1,6 +1,6 @@
 """Clients of the reference server: async for the gen worker, sync for the learner.
 
-Transient trouble (connection errors, 502/503/504, a full queue) is retried with backoff inside a
+Transient trouble (connection errors, 408/502/503/504, a full queue) is retried with backoff inside a
 bounded time; a request the server rejects for its content (400, 401, 413, 422) raises
 `RefServerError` at once, since retrying cannot help. Retries are safe: uploads carry an
 `X-Upload-Id` and batch requests a `request_id`, so the server answers a retry with the first
@@ -21,7 +21,7 @@ from toolrl.net import RetryPolicy, auth_headers, retry_after_s
 from toolrl.protocol import CONTENT_TYPE, Sample, decode_samples, encode_samples
 
 log = logging.getLogger("toolrl.refserver.client")
-_RETRY_STATUS = (502, 503, 504)
+_RETRY_STATUS = (408, 502, 503, 504)  # 408: the body did not arrive in time (a slow link): send it again
 SERVER_MAX_BATCH_WAIT_S = 300.0  # the server caps /batch?wait_s at this
 
 
@@ -220,6 +220,7 @@ class RefServerClient:
         self._http = httpx.Client(base_url=self.url, headers=auth_headers(token), timeout=timeout_s)
         self.policy = RetryPolicy(retries=retries, cap_s=5.0)
         self.last_batch_meta: dict[str, Any] = {}  # the server's notes on the last batch (versions, timings)
+        self.version: int | None = None  # the last version set: batch requests repeat it (a restarted server learns it)
 
     def _request(self, method: str, path: str, ok: tuple[int, ...] = (200,), **kw) -> httpx.Response:
         tries = _Tries(self.policy, f"{method} {path}", ok)
@@ -234,6 +235,8 @@ class RefServerClient:
         ready within `wait_s` (default: the server's batch_wait_s). Waits for up to `min_samples`."""
         params: dict[str, Any] = {"max_samples": max_samples, "max_tokens": max_tokens, "min_samples": min_samples,
                                   "request_id": uuid.uuid4().hex}
+        if self.version is not None:
+            params["version"] = self.version
         if wait_s is not None:
             params["wait_s"] = wait_s
         server_wait = SERVER_MAX_BATCH_WAIT_S if wait_s is None else wait_s
@@ -246,7 +249,11 @@ class RefServerClient:
         return samples
 
     def set_version(self, version: int) -> dict[str, Any]:
-        return self._request("POST", "/version", json={"version": version}).json()
+        """Announce the learner's policy version (the server drops what it makes stale, and refuses
+        samples claiming a newer one)."""
+        answer = self._request("POST", "/version", json={"version": version}).json()
+        self.version = version
+        return answer
 
     def workers(self) -> list[dict[str, Any]]:
         """Live workers: each {id, url, capabilities, policy_version, last_seen, state, ...}; `state` is

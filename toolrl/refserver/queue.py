@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -28,11 +29,27 @@ from toolrl.protocol import Sample
 
 
 def sample_nbytes(s: Sample) -> int:
-    """Estimated resident bytes of a Sample (calibrated with tracemalloc: ~36 B per token id held in a
-    Python list, ~32 B per float, plus ref_logprobs to come)."""
+    """Estimated resident bytes of a Sample once decoded and held, ref_logprobs included: an upper bound
+    on what tracemalloc measures (tests/refserver/test_ref_server_queue.py), within ~3x of it.
+
+    Every field counts, since whatever a client can make the server hold must count against the bound:
+    per token ~40 B for an id held in a list (int object + pointer), 8 B for a mask entry, 32 B per
+    float (logprobs, then ref_logprobs); strings at their stored size (sys.getsizeof is O(1) for a str
+    and knows 1, 2 or 4 bytes per character); per reward and per tool call the dict entry, float and
+    model-object overhead. The base covers the model object, its field dict, the empty lists and the
+    queue entry."""
     p, c = len(s.prompt_ids), len(s.completion_ids)
-    tools = sum(len(t.code) + len(t.output) + 200 for t in s.tool_calls)
-    return 1024 + 40 * p + 110 * c + len(s.text) + len(s.stop_reason) + 100 * len(s.rewards) + tools
+    n = SAMPLE_BASE_BYTES + 40 * p + 120 * c
+    n += _str_bytes(s.group_id) + _str_bytes(s.text) + _str_bytes(s.stop_reason)
+    n += sum(_str_bytes(k) + REWARD_ENTRY_BYTES for k in s.rewards)
+    n += sum(TOOL_CALL_BYTES + _str_bytes(t.code) + _str_bytes(t.status) + _str_bytes(t.output) for t in s.tool_calls)
+    return n
+
+
+SAMPLE_BASE_BYTES = 3072
+REWARD_ENTRY_BYTES = 128  # dict slot and index (~40 B grown), the float (24 B), the key's pointer
+TOOL_CALL_BYTES = 640  # a ToolCall: the object, its __dict__ and fields-set, its list slot
+_str_bytes = sys.getsizeof
 
 
 class QueueFull(Exception):

@@ -7,7 +7,8 @@ holds samples of similar length and padding stays small. Logprobs come from
 the head applied only at completion positions). A window is completed all at once so delivery
 order holds. Compute runs in one dedicated thread; the event loop stays free to serve requests.
 
-With `grpo.beta == 0` no model is loaded and samples pass straight through without ref_logprobs.
+With `grpo.beta == 0` no model is loaded and samples pass straight through without ref_logprobs
+(still checked against the model's config: `validate`).
 A batch that raises is retried sample by sample; a sample that fails alone is dropped, counted
 and logged with its group id (never silently).
 """
@@ -28,6 +29,7 @@ from toolrl.config import Config
 from toolrl.logprobs import completion_logprobs, pack_samples
 from toolrl.models import resolve_dtype, resolve_model
 from toolrl.protocol import Sample
+from toolrl.refserver.checks import check_samples
 from toolrl.refserver.queue import AsyncSampleQueue, Entry
 
 WINDOW_BUDGETS = 2  # a window spans this many token budgets: room to sort by length, bounded latency
@@ -49,6 +51,17 @@ def load_reference_model(cfg: Config):
     model = model.to(resolve_device(cfg.ref_server.device)).eval()
     model.requires_grad_(False)
     return model
+
+
+def load_model_config(cfg: Config):
+    """cfg.model.name's config (config.json only: cheap), resolved as load_reference_model resolves it."""
+    from transformers import AutoConfig  # lazy, as above
+
+    try:
+        return AutoConfig.from_pretrained(resolve_model(cfg.model.name), trust_remote_code=cfg.model.trust_remote_code)
+    except Exception as exc:  # the server cannot check token ids without it: refuse to start, clearly
+        raise RuntimeError(f"cannot read the config of model {cfg.model.name!r} (its vocabulary size bounds the "
+                           f"token ids the server accepts, also with grpo.beta = 0): {exc}") from exc
 
 
 BATCH_OVERHEAD_TOKENS = 64  # what one extra forward call costs, in padded-token equivalents
@@ -130,9 +143,12 @@ class Reference:
             self.model.eval()
             self.device = next(self.model.parameters()).device
             mcfg = self.model.config
-            self.vocab_size = int(mcfg.vocab_size)
-            self.max_len = int(getattr(mcfg, "max_position_embeddings", 0) or cfg.model.max_model_len)
             self.pad_id = int(mcfg.pad_token_id if getattr(mcfg, "pad_token_id", None) is not None else 0)
+        else:  # no model, but uploads are still checked against its vocabulary: the learner's forward needs it
+            mcfg = load_model_config(cfg)
+        text_cfg = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
+        self.vocab_size = int(text_cfg.vocab_size)
+        self.max_len = int(getattr(text_cfg, "max_position_embeddings", 0) or cfg.model.max_model_len)
         self._compute = ComputeThread() if self.enabled else None
         # Stats
         self.tokens_total = self.samples_total = self.batches_total = self.padded_total = 0
@@ -143,18 +159,9 @@ class Reference:
 
     # -- validation at the door --------------------------------------------------------------
     def validate(self, samples: Sequence[Sample]) -> None:
-        """Raise ValueError (-> HTTP 400) for a sample this model cannot score."""
-        if not self.enabled:
-            return
-        for i, s in enumerate(samples):
-            if s.num_tokens > self.max_len:
-                raise ValueError(f"sample {i} has {s.num_tokens} tokens, over the reference model's "
-                                 f"{self.max_len} positions")
-            lo = min(min(s.prompt_ids), min(s.completion_ids, default=0))
-            hi = max(max(s.prompt_ids), max(s.completion_ids, default=0))
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(f"sample {i} has token ids in [{lo}, {hi}], outside the reference "
-                                 f"vocabulary [0, {self.vocab_size})")
+        """Raise checks.Refused (-> HTTP 400) for a sample the model (this one, and the learner's) cannot
+        take, or that could derail the learner. Also with beta = 0, when no model is loaded."""
+        check_samples(samples, self.vocab_size, self.max_len)
 
     # -- compute (runs in the compute thread) ------------------------------------------------
     def compute(self, samples: Sequence[Sample]) -> list[list[float]]:

@@ -2,8 +2,10 @@
 
 A worker registers (id, url, capabilities, policy version) and heartbeats; one that has not been
 heard from for `ttl_s` is dropped (checked on every access, and by a periodic sweep so expiry is
-logged even when nobody asks). Registering again with the same id replaces the entry, so a
-restarted worker simply registers anew. The registry is bounded (`max_workers`).
+logged even when nobody asks). Registering again with the same id and URL replaces the entry, so a
+restarted worker simply registers anew; the id of a live worker cannot be taken by another URL (409)
+until that worker expires, or the learner would push weights to whoever asked. The registry is
+bounded (`max_workers`).
 
 A worker's heartbeats may carry its producer state (where its problem stream and curriculum stand),
 which the learner saves in its checkpoints. A run resumed from one hands those states back
@@ -21,10 +23,12 @@ from typing import Any
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 MAX_CAPABILITIES_BYTES = 16 << 10
 MAX_STATE_BYTES = 16 << 10
+MAX_JSON_DEPTH = 32  # nesting of a kept object: deeper ones break encoders and pickling downstream
 
 
 class RegistryError(ValueError):
-    """A registration that cannot be accepted (HTTP 400), or a full registry (HTTP 409)."""
+    """A registration that cannot be accepted (HTTP 400), or a conflict: a full registry, a live id
+    at another URL (HTTP 409)."""
 
     def __init__(self, msg: str, status: int = 400):
         super().__init__(msg)
@@ -59,12 +63,26 @@ def _check_object(what: str, value: Any, limit: int) -> None:
     """A JSON object of at most `limit` bytes serialised: what a worker may make the server keep."""
     if not isinstance(value, dict):
         raise RegistryError(f"{what} must be a JSON object")
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise RegistryError(f"{what}: nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         size = len(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise RegistryError(f"{what}: not JSON-serialisable: {exc}") from None
     if size > limit:
         raise RegistryError(f"{what}: {size} bytes serialised, over the limit of {limit}")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of lists and dicts, without recursion (stops a little past the limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_JSON_DEPTH:
+                stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def validate(worker_id: str, url: str, capabilities: dict[str, Any], policy_version: int) -> None:
@@ -91,7 +109,13 @@ class WorkerRegistry:
         capabilities = capabilities or {}
         validate(worker_id, url, capabilities, policy_version)
         self.expire()
-        if worker_id not in self._workers and len(self._workers) >= self.max_workers:
+        old = self._workers.get(worker_id)
+        if old is not None and old.url != url:
+            left = self.ttl_s - (self.clock() - old.seen_mono)
+            raise RegistryError(f"worker id {worker_id!r} is live at {old.url}: another URL may take it only after "
+                                f"that worker expires (no heartbeat for {self.ttl_s:g}s; {left:.0f}s at the "
+                                f"earliest), or use another id", status=409)
+        if old is None and len(self._workers) >= self.max_workers:
             raise RegistryError(f"registry full ({self.max_workers} live workers)", status=409)
         now, wall = self.clock(), self.wall()
         w = Worker(worker_id, url, dict(capabilities), policy_version, wall, wall, now)
