@@ -130,6 +130,12 @@ class RefServerConfig(Section):
     token_budget: int = Field(8192, ge=64)  # tokens per reference forward batch
     logprob_chunk: int = Field(1024, ge=16)  # rows per fp32 log-softmax chunk
     max_staleness: int = Field(4, ge=0)
+    # Workers start a group only when the learner can still use it within max_staleness versions:
+    # queued + generating <= (max_staleness + 1) * learner.batch_samples * learner.sync_every, across
+    # all workers (toolrl.refserver.flow). A grant not uploaded or given back within
+    # grant_lease_s is taken back (a worker that died mid-group).
+    flow_control: bool = True
+    grant_lease_s: float = Field(600.0, gt=0)
     order: Literal["fifo", "newest"] = "fifo"
     batch_wait_s: float = Field(10.0, gt=0, le=300)
     worker_ttl_s: float = Field(30.0, gt=0)

@@ -109,9 +109,11 @@ def plot(metrics: list[dict], path: Path, evals: list[dict] = ()) -> None:
 def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
     metrics = read_jsonl(run_dir / "logs" / "metrics.jsonl")
     workers: list[dict] = []
+    queue: dict = {}
     try:
         with RefServerClient(cfg.ref_server.url, token=cfg.ref_server.token, timeout_s=10) as ref:
             workers = ref.workers()
+            queue = ref.stats()["queue"]
     except Exception as exc:
         print(f"[report] could not list workers: {exc}")
     export = run_dir / "export"
@@ -131,6 +133,10 @@ def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
         "accuracy_first": first.get("accuracy"),
         "accuracy_last": last.get("accuracy"),
         "wall_s": wall_s,
+        # policy samples generated and then dropped because the learner had moved past them
+        "policy_samples_received": queue.get("policy_in"),
+        "dropped_stale": queue.get("dropped_stale"),
+        "stale_drop_fraction": queue.get("stale_drop_fraction", last.get("queue/stale_drop_fraction")),
     }
     evals = read_jsonl(run_dir / "logs" / "eval.jsonl")
     summary.update(heldout(evals))

@@ -21,11 +21,13 @@ from toolrl.protocol import CONTENT_TYPE, PayloadTooLarge, Sample, WireFormatErr
 from toolrl.net import ByteBudget, bearer_auth, install_error_handlers, read_body_capped
 from toolrl.refserver import metrics
 from toolrl.refserver.checks import AheadOfLearner, Refused, check_versions
+from toolrl.refserver.flow import Grants
 from toolrl.refserver.queue import AsyncSampleQueue, GroupTooLarge, QueueFull, SampleQueue
 from toolrl.refserver.reference import Reference
 from toolrl.refserver.registry import RegistryError, WorkerRegistry
 
 MAX_UPLOAD_WAIT_S = 60.0  # a client may ask /upload to wait this long for space
+MAX_GRANT_WAIT_S = 60.0  # ... and /grants this long for room
 MAX_UPLOAD_WAITERS = 64  # uploads waiting for space at once (each holds its decoded group)
 MAX_CONCURRENT_DECODES = 4  # bodies decoded at once (CPU); reading happens outside, under a deadline
 BODY_BUDGET_UPLOADS = 4  # bodies held undecoded (arriving or waiting to decode): this many max_upload_bytes
@@ -84,6 +86,13 @@ class VersionBody(BaseModel):
     version: int = Field(ge=0)
 
 
+class GrantBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    worker_id: str = Field(min_length=1, max_length=128)
+    n: int = Field(ge=1, le=1 << 16)  # one group's samples
+    wait_s: float = Field(0.0, ge=0, le=MAX_GRANT_WAIT_S)
+
+
 def _busy(detail: str) -> HTTPException:
     return HTTPException(status_code=503, detail=detail, headers={"Retry-After": "1"})
 
@@ -95,8 +104,15 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     reference = Reference(cfg, model=model, log=log)
     queue = AsyncSampleQueue(SampleQueue(rs.max_queue_samples, rs.max_queue_bytes, rs.order, rs.max_staleness),
                              max_upload_waiters=MAX_UPLOAD_WAITERS)
-    registry = WorkerRegistry(rs.worker_ttl_s, on_expire=lambda w: log.warning(
-        "worker %s (%s) expired: no heartbeat for %.0fs", w.id, w.url, rs.worker_ttl_s))
+    samples_per_version = cfg.learner.batch_samples * cfg.learner.sync_every
+    grants = Grants(samples_per_version, rs.max_staleness, rs.grant_lease_s) if rs.flow_control else None
+
+    def expired(w) -> None:
+        log.warning("worker %s (%s) expired: no heartbeat for %.0fs", w.id, w.url, rs.worker_ttl_s)
+        if grants is not None and grants.release_worker(w.id):
+            queue.notify()  # its groups will never come: others may start theirs
+
+    registry = WorkerRegistry(rs.worker_ttl_s, on_expire=expired)
     uploads, batches = Replay(10_000, 600.0), Replay(8, 600.0)
     http = {"uploads_rejected": 0, "uploads_too_large": 0, "uploads_timed_out": 0, "uploads_busy": 0,
             "uploads_ahead_of_learner": 0}
@@ -112,8 +128,12 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         # The headline numbers also flat at the top, for loggers that take top-level numbers only.
         flat = {"queue_depth": q["samples"], "queue_ready": q["ready"], "samples_in": q["samples_in"],
                 "samples_out": q["samples_out"], "dropped_stale": q["dropped_stale"],
+                "stale_drop_fraction": q["stale_drop_fraction"],
                 "ref_tokens_per_s": ref["tokens_per_s_last_60s"], "workers_live": len(registry)}
+        if grants is not None:
+            flat["flow_in_flight"] = grants.in_flight
         return {**flat, "queue": q, "reference": ref, "workers": registry.stats(),
+                "flow": grants.stats() if grants is not None else None,
                 "http": {**http, "rejected_by_field": dict(rejected_by_field), "body_bytes_held": bodies.held},
                 "uptime_s": round(time.monotonic() - started, 3)}
 
@@ -177,6 +197,10 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         finally:
             uploads.in_flight.discard(upload_id)
         uploads.put(upload_id, result)
+        # The group's grant ends with its upload: its samples are now queued (or dropped as stale).
+        grant_id = request.headers.get("x-grant-id")
+        if grants is not None and grant_id and grants.release(grant_id):
+            queue.notify()
         return result
 
     def decode_and_check(body: bytes) -> list[Sample]:
@@ -323,7 +347,33 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
 
     @app.delete("/workers/{worker_id}", dependencies=auth)
     async def deregister(worker_id: str):
+        if grants is not None and grants.release_worker(worker_id):
+            queue.notify()
         return {"removed": registry.remove(worker_id)}
+
+    @app.post("/grants", dependencies=auth)
+    async def grant(body: GrantBody):
+        """Room to start one group (toolrl.refserver.flow), waiting up to wait_s for it; 204 without.
+        With flow control off every request is granted."""
+        if grants is None:
+            return {"grant_id": None, "n": body.n}
+        core = queue.core
+        got: list[str | None] = [None]
+
+        def room() -> bool:
+            got[0] = grants.take(body.worker_id, body.n, core.samples, core.delivered_since_version)
+            return got[0] is not None
+        if not await queue.wait_until(room, body.wait_s):
+            return Response(status_code=204, headers={"X-Flow-Capacity": str(
+                grants.capacity(core.samples, core.delivered_since_version))})
+        return {"grant_id": got[0], "n": body.n}
+
+    @app.delete("/grants/{grant_id}", dependencies=auth)
+    async def give_back(grant_id: str):
+        released = grants.release(grant_id) if grants is not None else False
+        if released:
+            queue.notify()
+        return {"released": released}
 
     @app.get("/workers", dependencies=auth)
     async def workers():

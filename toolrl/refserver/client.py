@@ -105,11 +105,15 @@ class AsyncRefServerClient:
         self._http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(token), timeout=timeout_s)
         self.upload_waits = 0  # 503s seen by upload: how often backpressure made us wait
 
-    async def upload(self, samples: list[Sample], *, max_wait_s: float | None = None) -> dict[str, Any]:
+    async def upload(self, samples: list[Sample], *, max_wait_s: float | None = None,
+                     grant_id: str | None = None) -> dict[str, Any]:
         """Upload one group; returns the server's answer ({accepted, dropped_stale, ...}) once accepted.
-        Waits (never drops) while the server is full or unreachable, up to `max_wait_s`."""
+        Waits (never drops) while the server is full or unreachable, up to `max_wait_s`. `grant_id`:
+        the flow-control grant the group was started under, which the upload ends."""
         body = encode_samples(samples) if len(samples) < 64 else await asyncio.to_thread(encode_samples, samples)
         headers = {"Content-Type": CONTENT_TYPE, "X-Upload-Id": uuid.uuid4().hex}
+        if grant_id:
+            headers["X-Grant-Id"] = grant_id
         limit = self.max_wait_s if max_wait_s is None else max_wait_s
         deadline = time.monotonic() + limit
         attempt, reason = 0, ""
@@ -159,6 +163,20 @@ class AsyncRefServerClient:
             body["state"] = state
         r = await self._request("POST", f"/workers/{worker_id}/heartbeat", ok=(200, 404), json=body)
         return r.json() if r.status_code == 200 else None
+
+    async def grant(self, worker_id: str, n: int, wait_s: float = 0.0) -> tuple[bool, str | None]:
+        """Flow control (toolrl.refserver.flow): may this worker start a group of `n` samples now?
+        Waits up to `wait_s` on the server for room. (True, grant id) when it may; the id is None when
+        the server does no flow control. (False, None) when there is no room yet."""
+        r = await self._request("POST", "/grants", ok=(200, 204), json={"worker_id": worker_id, "n": n,
+                                                                          "wait_s": wait_s},
+                                timeout=self.timeout_s + wait_s)
+        return (True, r.json().get("grant_id")) if r.status_code == 200 else (False, None)
+
+    async def give_back(self, grant_id: str) -> bool:
+        """End a grant whose group will not be uploaded (left out, failed)."""
+        r = await self._request("DELETE", f"/grants/{grant_id}")
+        return bool(r.json().get("released"))
 
     async def deregister(self, worker_id: str) -> bool:
         r = await self._request("DELETE", f"/workers/{worker_id}")

@@ -83,6 +83,7 @@ class Counters:
     samples_out: int = 0
     dropped_stale: int = 0
     dropped_failed: int = 0
+    policy_in: int = 0  # policy samples received (the only kind that can go stale)
     groups_in: int = 0
     rejected_full: int = 0  # uploads answered "full" (503)
     waited_full: int = 0  # uploads that found the queue full and waited for space
@@ -109,6 +110,12 @@ class SampleQueue:
         self._ready: list[tuple[tuple[int, ...], Entry]] = []  # heap keyed by delivery priority
         self.samples = 0
         self.nbytes = 0
+        self._out_at_version = 0  # samples_out when the learner's version last moved
+
+    @property
+    def delivered_since_version(self) -> int:
+        """Samples the learner took since its version last moved (its current version's share)."""
+        return self.counters.samples_out - self._out_at_version
 
     # -- capacity ----------------------------------------------------------------------------
     def fits(self, n: int, nbytes: int) -> bool:
@@ -142,6 +149,7 @@ class SampleQueue:
         self.samples += len(fresh)
         self.nbytes += sum(sizes)
         self.counters.samples_in += len(samples)  # received: in = out + dropped + held, always
+        self.counters.policy_in += sum(s.source == "policy" for s in samples)
         self.counters.dropped_stale += dropped
         self.counters.groups_in += 1
         self.counters.high_water_samples = max(self.counters.high_water_samples, self.samples)
@@ -217,6 +225,8 @@ class SampleQueue:
     def set_version(self, version: int) -> int:
         """Record the learner's policy version and drop what it makes stale. Returns the number dropped."""
         before = self.counters.dropped_stale
+        if version != self.learner_version:
+            self._out_at_version = self.counters.samples_out
         self.learner_version = version
         self._drop_stale_pending()
         keep = [(k, e) for k, e in self._ready if not self.is_stale(e.sample)]
@@ -254,7 +264,8 @@ class SampleQueue:
                 "max_samples": self.max_samples, "max_bytes": self.max_bytes, "order": self.order,
                 "max_staleness": self.max_staleness, "learner_version": self.learner_version,
                 "samples_in": c.samples_in, "samples_out": c.samples_out, "groups_in": c.groups_in,
-                "dropped_stale": c.dropped_stale, "dropped_failed": c.dropped_failed,
+                "dropped_stale": c.dropped_stale, "dropped_failed": c.dropped_failed, "policy_in": c.policy_in,
+                "stale_drop_fraction": round(c.dropped_stale / max(1, c.policy_in), 4),
                 "rejected_full": c.rejected_full, "waited_full": c.waited_full,
                 "high_water_samples": c.high_water_samples, "high_water_bytes": c.high_water_bytes,
                 "staleness_at_delivery": {str(k): v for k, v in sorted(c.staleness.items())}}

@@ -16,7 +16,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Protocol
 
 from toolrl.config import Config
 from toolrl.executor.client import ExecutorError
@@ -45,6 +45,7 @@ class Stats:
     teacher_traces: int = 0
     unscored_groups: int = 0  # code tasks whose tests the executor could not run
     tool_unavailable_groups: int = 0  # a program the executor could not run: left out, not scored 0
+    flow_waits: int = 0  # times a group could not start for want of room (flow control)
     upload_waits: int = 0
     upload_wait_s: float = 0.0
     updates: int = 0
@@ -72,6 +73,16 @@ class Stats:
 
 
 _STATE_KEYS = {"source", "level", "drawn", "recent_acc", "groups"}
+GRANT_WAIT_S = 10.0  # with nothing in flight, how long one grant request waits on the server for room
+FLOW_RECHECK_S = 1.0  # with groups in flight and no room, how often to ask again
+
+
+class Flow(Protocol):
+    """Flow control as the producer sees it (toolrl.worker.service binds it to the reference server)."""
+
+    async def grant(self, wait_s: float) -> tuple[bool, str | None]: ...
+
+    async def give_back(self, grant_id: str) -> None: ...
 
 
 class Producer:
@@ -87,6 +98,11 @@ class Producer:
         self._recent_acc: collections.deque = collections.deque(maxlen=cfg.data.promote_window)
         self._teacher = self.task.teacher(cfg.teacher)
         self._seed = agent_seed(agent.name, cfg.data.seed)
+        self.flow: Flow | None = None  # flow control (set by the training worker); None: no limit
+        self._grants: dict[int, str] = {}  # id(yielded group) -> its grant, until uploaded
+        self._failures = 0  # groups in a row that raised
+        # What one group uploads, which is what its grant asks for: its rollouts and teacher traces.
+        self.group_samples = cfg.rollout.group_size + (cfg.teacher.traces_per_group if self._teacher else 0)
 
     # -- where the stream stands, for a restart from a checkpoint -------------------------------
     def state(self) -> dict:
@@ -191,38 +207,72 @@ class Producer:
 
     # -- the stream of groups -------------------------------------------------------------------
     async def produce(self, n_groups: int | None = None) -> AsyncIterator[list[Sample]]:
-        """Yield scored groups, keeping `prompts_per_step` groups in flight."""
+        """Yield scored groups, keeping up to `prompts_per_step` groups in flight. With flow control
+        (`self.flow`), a group starts only under a grant from the reference server: room the learner
+        can still use within max_staleness (toolrl.refserver.flow). A yielded group's grant is handed
+        to whoever uploads it (`take_grant`); a group left out gives its grant back."""
         width = self.cfg.rollout.prompts_per_step
-        pending: set[asyncio.Task] = set()
-        started = failures = 0
+        pending: dict[asyncio.Task, str | None] = {}  # task -> its grant
+        started = 0
         while True:
             while len(pending) < width and (n_groups is None or started < n_groups):
+                grant = None
+                if self.flow is not None:
+                    # With groups in flight only a quick look: their results must not wait on the server.
+                    ok, grant = await self.flow.grant(0.0 if pending else GRANT_WAIT_S)
+                    if not ok:
+                        self.stats.flow_waits += 1
+                        break
                 index, problem = self.next_problem()
                 task = asyncio.create_task(self.rollout_group(problem, index))
                 if self.agent.gate is not None:
                     self.agent.gate.track(task)  # cancelled, not awaited, if a drain times out
-                pending.add(task)
+                pending[task] = grant
                 started += 1
             if not pending:
-                return
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if n_groups is not None and started >= n_groups:
+                    return
+                continue  # no room yet: the grant request above waited on the server; ask again
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED,
+                                         timeout=FLOW_RECHECK_S if self.flow is not None else None)
             for task in done:
-                if task.cancelled():
-                    self.stats.aborted_groups += 1
-                    continue
-                if task.exception() is not None:
-                    # One broken group must not take the worker down; a persistent failure must.
-                    self.stats.failed_groups += 1
-                    failures += 1
-                    log.error("a rollout group failed: %r", task.exception(), exc_info=task.exception())
-                    if failures >= 5:
-                        raise RuntimeError("5 rollout groups in a row failed") from task.exception()
-                    continue
-                failures = 0
-                group = task.result()
+                grant = pending.pop(task)
+                group = self._result(task)
                 if group is None:
+                    await self._give_back(grant)
                     continue
-                if self.cfg.grpo.drop_zero_std_groups and zero_variance([s.reward for s in group]):
-                    self.stats.dropped_groups += 1
-                    continue
+                if grant is not None:
+                    self._grants[id(group)] = grant
                 yield group
+
+    def _result(self, task: asyncio.Task) -> list[Sample] | None:
+        """A finished group task's group, or None when it is left out (and counted)."""
+        if task.cancelled():
+            self.stats.aborted_groups += 1
+            return None
+        if task.exception() is not None:
+            # One broken group must not take the worker down; a persistent failure must.
+            self.stats.failed_groups += 1
+            self._failures += 1
+            log.error("a rollout group failed: %r", task.exception(), exc_info=task.exception())
+            if self._failures >= 5:
+                raise RuntimeError("5 rollout groups in a row failed") from task.exception()
+            return None
+        self._failures = 0
+        group = task.result()
+        if group is not None and self.cfg.grpo.drop_zero_std_groups and zero_variance([s.reward for s in group]):
+            self.stats.dropped_groups += 1
+            return None
+        return group
+
+    def take_grant(self, group: list[Sample]) -> str | None:
+        """The flow-control grant of a yielded group: its upload ends it."""
+        return self._grants.pop(id(group), None)
+
+    async def _give_back(self, grant: str | None) -> None:
+        if grant is None or self.flow is None:
+            return
+        try:
+            await self.flow.give_back(grant)
+        except Exception as exc:  # noqa: BLE001 - the server takes it back when its lease runs out
+            log.warning("could not give back a flow-control grant: %s", exc)

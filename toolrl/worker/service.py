@@ -87,11 +87,27 @@ class GenWorker:
         self.gate.assembler.close()
 
 
+class RefServerFlow:
+    """The producer's flow control, granted by the reference server for this worker."""
+
+    def __init__(self, ref, worker_id: str, n: int):
+        self.ref, self.worker_id, self.n = ref, worker_id, n
+
+    async def grant(self, wait_s: float) -> tuple[bool, str | None]:
+        return await self.ref.grant(self.worker_id, self.n, wait_s)
+
+    async def give_back(self, grant_id: str) -> None:
+        await self.ref.give_back(grant_id)
+
+
 async def upload_loop(worker: GenWorker, ref, max_groups: int | None = None) -> None:
-    """Produce groups and upload them; a full server makes this wait (backpressure), never drop."""
-    async for group in worker.producer.produce(n_groups=max_groups):
+    """Produce groups and upload them; a full server makes this wait (backpressure), never drop.
+    Groups start only under the reference server's flow control (toolrl.refserver.flow)."""
+    producer = worker.producer
+    producer.flow = RefServerFlow(ref, worker.worker_id, producer.group_samples)
+    async for group in producer.produce(n_groups=max_groups):
         t0 = time.time()
-        await ref.upload(group)
+        await ref.upload(group, grant_id=producer.take_grant(group))
         waited = time.time() - t0
         if waited > 0.5:
             worker.stats.upload_waits += 1

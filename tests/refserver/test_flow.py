@@ -1,0 +1,82 @@
+"""Flow control: queued + generating samples stay within what the learner can still use."""
+import asyncio
+import time
+
+import pytest
+
+from test_ref_server import config, mk, serve
+from toolrl.refserver.app import create_app
+from toolrl.refserver.client import AsyncRefServerClient, RefServerClient
+from toolrl.refserver.flow import Grants
+
+
+def test_the_bound_counts_queued_generating_and_this_versions_deliveries():
+    t = [0.0]
+    g = Grants(samples_per_version=4, max_staleness=1, lease_s=60, clock=lambda: t[0])  # limit 8
+    a = g.take("w1", 4, queued=0, delivered_since_version=0)
+    b = g.take("w2", 4, queued=0, delivered_since_version=0)
+    assert a and b and g.in_flight == 8
+    assert g.take("w1", 1, queued=0, delivered_since_version=0) is None  # full
+    assert g.release(a) and not g.release(a) and g.in_flight == 4
+    assert g.take("w1", 4, queued=0, delivered_since_version=1) is None  # the learner took 1 of this version
+    exact = g.take("w1", 3, queued=1, delivered_since_version=0)  # 1 queued + 4 + 3 = 8: fits exactly
+    assert exact is not None and g.take("w1", 1, queued=1, delivered_since_version=0) is None
+    g.release(exact)
+    assert g.take("w1", 3, queued=0, delivered_since_version=1) is not None
+    assert g.release_worker("w2") == 1 and g.in_flight == 3
+    t[0] = 61.0  # w1's lease ran out: taken back
+    assert g.capacity(queued=0, delivered_since_version=0) == 8 and g.stats()["expired_total"] == 1
+    big = Grants(samples_per_version=2, max_staleness=0, lease_s=60)
+    assert big.take("w", 5, queued=0, delivered_since_version=0) is not None  # empty: one group always starts
+    assert big.take("w", 5, queued=0, delivered_since_version=0) is None
+
+
+def test_grants_over_http_end_with_uploads_versions_and_workers_leaving():
+    cfg = config(max_staleness=1, worker_ttl_s=1.5, _extra=["learner.batch_samples=4"])  # limit 8
+    with serve(create_app(cfg)) as url, RefServerClient(url) as learner:
+        async def go():
+            async with AsyncRefServerClient(url) as c:
+                await c.register("w1", "http://127.0.0.1:1")
+                ok1, g1 = await c.grant("w1", 4)
+                ok2, g2 = await c.grant("w1", 4)
+                assert ok1 and ok2 and g1 != g2
+                assert await c.grant("w1", 4) == (False, None)  # 8 generating: no room
+                await c.upload([mk(i) for i in range(4)], grant_id=g1)  # 4 queued, 4 generating
+                assert (await c.grant("w1", 1))[0] is False
+                t0 = time.time()
+                waiting = asyncio.create_task(c.grant("w1", 4, wait_s=20))
+                await asyncio.sleep(0.3)
+                assert not waiting.done()
+                # the learner takes its batch and moves to the next version: that version's room opens
+                await asyncio.to_thread(learner.get_batch, 4, 10**6, 5)
+                await asyncio.to_thread(learner.set_version, 1)
+                ok, g3 = await waiting
+                assert ok and time.time() - t0 < 5  # woken by the version, not by its timeout
+                assert await c.give_back(g2) and not await c.give_back(g2)
+                flow = (await c.stats())["flow"]
+                assert flow["in_flight"] == 4 and flow["limit"] == 8
+                # a worker that stops heartbeating loses its grants with its registration
+                await asyncio.sleep(2.5)
+                await c.stats()  # any request sweeps the registry
+                assert (await c.stats())["flow"]["in_flight"] == 0
+        asyncio.run(go())
+
+
+def test_flow_control_off_grants_everything():
+    cfg = config(flow_control="false", _extra=["learner.batch_samples=1"])
+    with serve(create_app(cfg)) as url:
+        async def go():
+            async with AsyncRefServerClient(url) as c:
+                return [await c.grant("w", 64) for _ in range(5)]
+        assert asyncio.run(go()) == [(True, None)] * 5
+
+
+def test_stale_drops_are_counted_against_the_policy_samples_received():
+    from toolrl.refserver.queue import SampleQueue
+
+    q = SampleQueue(100, 1 << 30, max_staleness=0)
+    q.put([mk(1, version=0), mk(2, version=0), mk(3, version=0, source="teacher")])
+    q.set_version(1)  # the two policy samples are now stale; the teacher trace never is
+    q.put([mk(4, version=1), mk(5, version=1)])
+    st = q.stats()
+    assert (st["policy_in"], st["dropped_stale"], st["stale_drop_fraction"]) == (4, 2, 0.5)

@@ -1,0 +1,69 @@
+"""The producer under flow control: a group starts only under a grant, and every grant ends (by the
+upload of its group, or given back when the group is left out). The real producer loop on the fake
+agent of test_producer_state."""
+import asyncio
+
+from test_producer_state import producer
+
+
+class Flow:
+    """Grants `room` groups at a time, like the reference server's bound: a grant is held until its
+    group is uploaded (take_grant) or given back."""
+
+    def __init__(self, room):
+        self.room, self.held, self.asked, self.peak, self.given_back = room, set(), 0, 0, []
+        self._n = 0
+
+    async def grant(self, wait_s):
+        self.asked += 1
+        if len(self.held) >= self.room:
+            await asyncio.sleep(min(wait_s, 0.01))
+            return False, None
+        self._n += 1
+        self.held.add(f"g{self._n}")
+        self.peak = max(self.peak, len(self.held))
+        return True, f"g{self._n}"
+
+    async def give_back(self, grant_id):
+        self.given_back.append(grant_id)
+        self.held.discard(grant_id)
+
+
+def run(p, n, upload_delay=0.0):
+    """Produce n groups, 'uploading' each (which ends its grant) after upload_delay."""
+    async def go():
+        got = []
+        async for group in p.produce(n_groups=n):
+            await asyncio.sleep(upload_delay)
+            p.flow.held.discard(p.take_grant(group))
+            got.append(group)
+        return got
+    return asyncio.run(go())
+
+
+def test_no_more_groups_in_flight_than_granted_and_every_grant_ends():
+    p = producer("rollout.prompts_per_step=4")
+    p.flow = Flow(room=2)
+    groups = run(p, 7, upload_delay=0.02)
+    assert len(groups) == 7 and p.flow.peak == 2  # width 4, but room for 2
+    assert p.groups == p.flow._n == 7  # every group started under a grant of its own
+    assert not p.flow.held and not p._grants and p.stats.flow_waits > 0
+
+
+def test_groups_left_out_give_their_grant_back():
+    p = producer("grpo.drop_zero_std_groups=true")  # every group scores 2 of 4 right, unless acc is 1
+    p.agent.acc = 1.0  # all right: zero variance, every group dropped
+    p.flow = Flow(room=3)
+    assert run(p, 5) == []
+    assert len(p.flow.given_back) == 5 and not p.flow.held and p.stats.dropped_groups == 5
+
+
+def test_without_flow_control_the_producer_runs_as_before():
+    p = producer("rollout.prompts_per_step=3")
+    assert len(run_plain(p, 4)) == 4 and p.stats.flow_waits == 0
+
+
+def run_plain(p, n):
+    async def go():
+        return [g async for g in p.produce(n_groups=n)]
+    return asyncio.run(go())
