@@ -2,7 +2,6 @@
 import asyncio
 import time
 
-import pytest
 
 from test_ref_server import config, mk, serve
 from toolrl.refserver.app import create_app
