@@ -101,7 +101,7 @@ class ExecutorConfig(Section):
     # light zygote holding the rest of `preimport` (cheaper forks); [] keeps a single zygote.
     heavy_modules: list[str] = Field(default_factory=lambda: ["numpy", "sympy", "scipy", "pandas", "torch"])
     strict_isolation: bool = False  # refuse to start when any isolation layer is missing
-    disable_isolation: list[Literal["mountns", "netns", "pidns", "ipcns", "utsns", "uid", "cgroup"]] = \
+    disable_isolation: list[Literal["mountns", "netns", "pidns", "ipcns", "utsns", "uid", "cgroup", "seccomp"]] = \
         Field(default_factory=list)  # for debugging only; logged loudly like any missing layer
     client_timeout_s: float = Field(60.0, gt=0)
     client_retries: int = Field(5, ge=0)

@@ -182,6 +182,19 @@ def test_no_pseudo_terminals(s):
     assert (r.status, r.stdout) == ("ok", "no pty\n"), r
 
 
+def test_code_can_make_no_namespaces_and_mount_nothing(s):
+    """The seccomp filter: without it an unprivileged user namespace (and a tmpfs mounted inside it)
+    is one call away. Threads, subprocesses and fork still work."""
+    code = ("import ctypes, os, subprocess, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "out = [libc.unshare(0x10000000), libc.unshare(0x00020000), libc.mount(b'n', b'.', b'tmpfs', 0, None)]\n"
+            "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+            "out.append(subprocess.run(['true']).returncode)\npid = os.fork()\nif pid == 0:\n    os._exit(3)\n"
+            "out.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\nprint(out)")
+    r = s.run(code)
+    assert (r.status, r.stdout) == ("ok", "thread\n[-1, -1, -1, 0, 3]\n"), r
+    assert s.health["isolation"]["seccomp"] is True
+
+
 # -- processes and threads ---------------------------------------------------------------------------
 
 def test_fork_bomb(s):

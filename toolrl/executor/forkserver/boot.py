@@ -21,6 +21,7 @@ from toolrl.executor.forkserver.lanes import LaneFactory
 from toolrl.executor.forkserver.manager import ForkServer
 from toolrl.executor.forkserver.session_runners import SESSION_UID_OFFSET
 from toolrl.executor.forkserver.sweeper import Sweeper
+from toolrl.executor.runner import seccomp
 from toolrl.executor.syscalls import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill, prctl
 
 log = logging.getLogger("toolrl.forkserver")
@@ -75,6 +76,11 @@ def main() -> None:
         report["uid_drop"] = why is None
         if why:
             report["missing"].append(f"uid: {isolation.IMPACT['uid']} ({why})")
+    if "seccomp" in disabled:
+        report["missing"].append(f"seccomp: {isolation.IMPACT['seccomp']} (disabled by executor.disable_isolation)")
+    elif not seccomp.supported():
+        report["missing"].append(f"seccomp: {isolation.IMPACT['seccomp']} (its syscall table is x86_64's)")
+    report["seccomp"] = "seccomp" not in disabled and seccomp.supported()
     sweeper = Sweeper()
     lanes = LaneFactory(scratch, report, cgroups, report["uid_drop"], cfg["limits"]["disk_mb"],
                         cfg["limits"]["nproc"])

@@ -30,6 +30,8 @@ IMPACT = {
            "server, and read each other's files; concurrency is forced to 1 slot",
     "cgroup": "no cgroups: memory is limited per process (RLIMIT_AS) not per slot, process count only by "
               "RLIMIT_NPROC, and out-of-memory kills by the kernel read as 'killed'",
+    "seccomp": "no seccomp filter: runners can make user namespaces (and mount inside them), use ptrace, "
+               "io_uring, BPF and keyrings",
 }
 
 

@@ -14,17 +14,18 @@ from toolrl.executor.syscalls import CLONE_NEWIPC, CLONE_NEWNET, MS_NODEV, MS_NO
 
 
 class Lane:
-    __slots__ = ("name", "uid", "workdir", "mounted", "procs", "pdeathsig", "unshare")
+    __slots__ = ("name", "uid", "workdir", "mounted", "procs", "pdeathsig", "unshare", "seccomp")
 
     def __init__(self, name: str, uid: int | None, workdir: str, mounted: bool, procs: list[str],
-                 pdeathsig: bool, unshare: int = 0):
+                 pdeathsig: bool, unshare: int = 0, seccomp: bool = False):
         self.name, self.uid, self.workdir, self.mounted, self.procs = name, uid, workdir, mounted, procs
         self.pdeathsig = pdeathsig  # no PID namespace: runners must die with their parent themselves
         self.unshare = unshare  # namespaces each runner makes its own (CLONE_* flags)
+        self.seccomp = seccomp  # filter the code's syscalls (toolrl.executor.runner.seccomp)
 
     def for_child(self) -> dict:
         return {"uid": self.uid, "workdir": self.workdir, "cgroup_procs": self.procs,
-                "pdeathsig": self.pdeathsig, "unshare": self.unshare}
+                "pdeathsig": self.pdeathsig, "unshare": self.unshare, "seccomp": self.seccomp}
 
 
 class LaneFactory:
@@ -38,6 +39,7 @@ class LaneFactory:
         # crossing into another session, and abstract unix sockets are seen by the run alone.
         # Where the sandbox itself has none of a kind, the runner cannot make one either.
         self.unshare = (CLONE_NEWIPC if ns.get("ipcns") else 0) | (CLONE_NEWNET if ns.get("netns") else 0)
+        self.seccomp = bool(report.get("seccomp"))
         self.cgroups = cgroups
         self.uid_drop = uid_drop
         self.disk_mb = disk_mb
@@ -53,7 +55,8 @@ class LaneFactory:
         elif self.uid_drop:
             os.chown(workdir, uid, uid)
         procs = self.cgroups.create(name, self.max_procs) if self.cgroups else []
-        return Lane(name, uid if self.uid_drop else None, workdir, mounted, procs, self.pdeathsig, self.unshare)
+        return Lane(name, uid if self.uid_drop else None, workdir, mounted, procs, self.pdeathsig, self.unshare,
+                    self.seccomp)
 
     def _mount(self, workdir: str, uid: int) -> None:
         mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV,

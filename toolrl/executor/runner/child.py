@@ -26,6 +26,7 @@ import traceback
 import types
 
 from toolrl.executor import ipc
+from toolrl.executor.runner import seccomp
 from toolrl.executor.syscalls import PR_SET_PDEATHSIG, become, prctl, unshare
 
 RESULT_FD, JOB_FD = 3, 4
@@ -140,6 +141,8 @@ def _drop(lane: dict, job: dict) -> None:
         become(uid)
     if lane.get("pdeathsig"):  # no PID namespace to take us down with the fork server
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
+    if lane.get("seccomp"):  # last: from here on the code's syscalls are filtered
+        seccomp.install()
 
 
 def _new_main(workdir: str) -> dict:
