@@ -126,12 +126,62 @@ def add_bind_args(parser, section: str) -> None:
     parser.add_argument("--port", type=int, help=f"port (default: {section}.port)")
 
 
+HEADER_TIMEOUT_S = 30.0  # a request's headers must arrive within this of the connection (or the last answer)
+
+
+def http_protocol():
+    """uvicorn's h11 protocol with a deadline for request headers. uvicorn has none: a connection
+    that sends half a request line and stops (slowloris) is held for ever. Armed when the
+    connection opens and again after each answer (waiting for the next request on a kept-alive
+    connection), cleared when a request's headers are complete; past it the connection is closed.
+    Request bodies have their own deadlines where they are read (read_body_capped)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol  # lazy, as uvicorn itself
+
+    class HeaderDeadline(H11Protocol):
+        deadline = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._late)
+
+        def _disarm(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+        def _late(self) -> None:
+            self.deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a request's headers are complete
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+    return HeaderDeadline
+
+
 def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
     import uvicorn  # here, not at the top: clients import this module and never serve
 
     if host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("toolrl").warning("binding %s: reachable from other machines; set a token", host)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30, http=http_protocol())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import uvicorn
 from tqdm import tqdm
 
 from toolrl.config import Config
+from toolrl.net import http_protocol
 from toolrl.protocol import sample_record
 from toolrl.refserver.client import AsyncRefServerClient
 from toolrl.tasks import get_task
@@ -137,7 +138,7 @@ async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, 
                       max_groups: int | None = None) -> None:
     worker = GenWorker(cfg, worker_id=worker_id, public_url=public_url or f"http://{host}:{port}")
     app = build_app(worker)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", http=http_protocol()))
     serve_task = asyncio.create_task(server.serve())
     ref = AsyncRefServerClient(cfg.ref_server.url, token=cfg.ref_server.token)
     try:

@@ -1,0 +1,49 @@
+"""The services' HTTP layer: a request's headers have a deadline (uvicorn alone has none)."""
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+from procs import free_port  # tests/ is on sys.path (conftest)
+from toolrl import net
+
+
+def serve_in_thread(monkeypatch, deadline_s=0.5):
+    monkeypatch.setattr(net, "HEADER_TIMEOUT_S", deadline_s)
+    app = FastAPI()
+    app.get("/")(lambda: {"ok": True})
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           http=net.http_protocol()))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    return server, port
+
+
+def closed_within(sock, seconds) -> bool:
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1 << 16) == b""
+    except TimeoutError:
+        return False
+
+
+def test_half_sent_headers_are_cut_off_and_whole_requests_are_served(monkeypatch):
+    server, port = serve_in_thread(monkeypatch)
+    try:
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        t0 = time.time()
+        assert closed_within(stalled, 5) and time.time() - t0 < 2
+        kept = socket.create_connection(("127.0.0.1", port))
+        kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b'{"ok":true}' in kept.recv(1 << 16)
+        time.sleep(0.2)
+        kept.sendall(b"GET / HT")  # the next request on the kept-alive connection stalls
+        t0 = time.time()
+        assert closed_within(kept, 5) and time.time() - t0 < 2
+    finally:
+        server.should_exit = True
