@@ -1,0 +1,118 @@
+"""Faults through launch.sh itself, as a user meets them (every service with its per-run token):
+the executor dies and launch.sh restarts it; the last gen worker dies and launch.sh stops everything
+cleanly; `launch.sh --resume` continues from the checkpoint; the reference server dies and
+everything stops."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from procs import ROOT, free_port  # noqa: E402
+
+pytestmark = pytest.mark.slow
+STEPS = 200  # far more than the test waits for: each phase ends it
+
+
+def pids_of(script: str, port: int) -> list[int]:
+    """Processes running `script` on `port` (their command line names both)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(script.encode()) for a in cmd) and str(port).encode() in cmd:
+            found.append(int(pid))
+    return found
+
+
+def steps_done(run_dir: Path) -> int:
+    m = run_dir / "logs" / "metrics.jsonl"
+    lines = m.read_text().splitlines() if m.is_file() else []
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def wait_for(what, pred, timeout_s, launch=None):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if pred():
+            return
+        if launch is not None and launch.poll() is not None:
+            raise AssertionError(f"launch.sh ended (exit {launch.returncode}) while waiting for {what}:\n"
+                                 f"{launch.out.read_text()[-3000:]}")
+        time.sleep(1)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def start(run_dir: Path, ports: dict, *extra: str) -> subprocess.Popen:
+    cmd = ["bash", "launch.sh", "--config", "configs/cpu_tiny.yaml", "--run-dir", str(run_dir), "--workers", "1",
+           "--set", f"learner.steps={STEPS}", "--set", "learner.checkpoint_every=2", "--set", "eval.before_after=false",
+           "--set", f"executor.port={ports['ex']}", "--set", f"ref_server.port={ports['ref']}",
+           "--set", f"rollout.port={ports['w']}", "--set", "executor.client_retries=1", *extra]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLRL_")}
+    out = run_dir.parent / f"launch-{time.time():.0f}.out"
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=open(out, "w"), stderr=subprocess.STDOUT, env=env,
+                         start_new_session=True)
+    p.out = out
+    return p
+
+
+def stopped_cleanly(launch: subprocess.Popen, ports: dict, timeout_s: float = 120) -> str:
+    launch.wait(timeout=timeout_s)
+    out = launch.out.read_text()
+    left = {s: pids_of(s, p) for s, p in (("executor_service.py", ports["ex"]), ("ref_server.py", ports["ref"]),
+                                          ("gen_worker.py", ports["w"]))}
+    assert not any(left.values()), f"processes left behind: {left}"
+    return out
+
+
+def test_faults_through_launch_sh(tmp_path):
+    run_dir = tmp_path / "run"
+    ports = {"ex": free_port(), "ref": free_port(), "w": free_port()}
+    launch = start(run_dir, ports)
+    try:
+        wait_for("step 2", lambda: steps_done(run_dir) >= 2, 900, launch)
+        # every service runs with its own per-run token
+        tokens = dict(line.split("=", 1) for line in (run_dir / "tokens.env").read_text().splitlines())
+        assert len(set(tokens.values())) == 3
+
+        # 1. the executor dies: launch.sh restarts it and training goes on
+        for pid in pids_of("executor_service.py", ports["ex"]):
+            os.kill(pid, signal.SIGKILL)
+        s0 = steps_done(run_dir)
+        wait_for("the executor restarted", lambda: (run_dir / "logs" / "executor.1.log").is_file(), 60, launch)
+        wait_for("two more steps", lambda: steps_done(run_dir) >= s0 + 2, 600, launch)
+
+        # 2. the last gen worker dies: launch.sh stops everything, and says why
+        for pid in pids_of("gen_worker.py", ports["w"]):
+            os.kill(pid, signal.SIGKILL)
+        out = stopped_cleanly(launch, ports)
+        assert launch.returncode == 1 and "no gen worker left; stopping" in out, out[-2000:]
+        ckpt = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
+        assert ckpt >= 2
+
+        # 3. launch.sh --resume continues from that checkpoint, the worker's stream handed back
+        learner_log = run_dir / "logs" / "learner.log"
+        learner_log.rename(tmp_path / "learner.before.log")  # the last run went past the checkpoint
+        launch = start(run_dir, ports, "--resume")
+        wait_for("the learner restarts", learner_log.is_file, 120, launch)
+        wait_for("the resumed learner steps", lambda: f"step {ckpt + 1}/{STEPS}" in learner_log.read_text(), 900,
+                 launch)
+        text = learner_log.read_text()
+        assert f"resumed at step {ckpt}" in text and "handed back the problem-stream state of 1 workers" in text
+
+        # 4. the reference server dies: everything stops
+        for pid in pids_of("ref_server.py", ports["ref"]):
+            os.kill(pid, signal.SIGKILL)
+        out = stopped_cleanly(launch, ports)
+        assert launch.returncode == 1 and "ref_server died; stopping" in out, out[-2000:]
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGINT)
+            launch.wait(60)
