@@ -137,6 +137,9 @@ def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
         "policy_samples_received": queue.get("policy_in"),
         "dropped_stale": queue.get("dropped_stale"),
         "stale_drop_fraction": queue.get("stale_drop_fraction", last.get("queue/stale_drop_fraction")),
+        # every sample the reference server took in is delivered, dropped (counted) or still held
+        "ref_server_accounting": {k: queue.get(k) for k in ("samples_in", "samples_out", "dropped_stale",
+                                                            "dropped_failed", "samples")} if queue else None,
     }
     evals = read_jsonl(run_dir / "logs" / "eval.jsonl")
     summary.update(heldout(evals))
