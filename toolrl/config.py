@@ -41,11 +41,12 @@ class DataConfig(Section):
     # math / jsonl read a file or a hub dataset; code reads code tasks. Checked when a gen worker starts
     # (tasks read this config, so the config cannot import the registry).
     source: str = "arithmetic"
-    # local file, or a hub dataset id when the network allows. For source=code, the tasks:
-    # humaneval, mbpp[:PATH], apps[:PATH][@DIFFICULTY], joined with + (e.g. humaneval+mbpp:m.jsonl)
+    # local data (a jsonl/json/parquet/arrow file, a hub snapshot directory, save_to_disk output; see
+    # toolrl.tasks.rows), or a hub dataset id when the network allows. For source=code, the tasks:
+    # humaneval, mbpp[:PATH][@SPLIT], apps[:PATH][@SPLIT][@DIFFICULTY], joined with + (e.g. humaneval+mbpp:m.jsonl)
     path: str | None = None
     train_fraction: float = Field(0.8, gt=0, le=1)  # source=code: the seeded per-source train share
-    split: str = "train"
+    split: str = "train"  # of a hub id, a DatasetDict or a snapshot directory (source=code: PATH@SPLIT)
     question_field: str = "question"
     answer_field: str = "answer"
     seed: int = 0

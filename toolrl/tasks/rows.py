@@ -1,12 +1,34 @@
-"""Reading a data set's rows: a local .jsonl/.jsonl.gz/.json file, or a hub dataset through
-`datasets` (an id `org/name` or `org/name:config`; that needs the network)."""
+"""Reading a data set's rows from wherever a user keeps it, the format told by the path:
+
+- a file: .jsonl / .jsonl.gz (one object a line), .json (a list of objects), .parquet, .arrow
+  (what `datasets` writes; IPC stream or file); a file with another name is sniffed by its content;
+- a `Dataset.save_to_disk` directory (state.json and its .arrow shards), or a `DatasetDict` one
+  (dataset_dict.json, one such directory per split);
+- any other directory: a hub snapshot (`huggingface-cli download`, `snapshot_download`) or a
+  `datasets` cache, searched recursively for .parquet / .arrow / .jsonl / .jsonl.gz files;
+- anything else: a hub id (`org/name` or `org/name:config`) loaded through `datasets` (network).
+
+`split` picks a split where the data has several: the subdirectory of a DatasetDict, the files of a
+directory whose path names it (`full/test-00000-of-00001.parquet`, `test.jsonl`, `default/test/0.parquet`,
+`mbpp-test.arrow`), or the hub split. A directory whose files name no split is read whole; a single
+file is read as it is. Parquet and arrow are read with pyarrow (installed with `datasets`).
+"""
 from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 from toolrl.tasks.base import DataError
+
+EXPECTED = ("expected a .jsonl, .jsonl.gz, .json, .parquet or .arrow file, a directory holding such files "
+            "(a hub snapshot or a datasets cache), a Dataset/DatasetDict.save_to_disk directory, or a hub id")
+# Words that name a split in a file's path (as the hub's own data-file patterns use them)
+SPLIT_WORDS = {"train", "training", "test", "testing", "validation", "valid", "val", "dev", "eval", "prompt"}
+_DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".jsonl.gz")
+
+Located = tuple[str, dict]  # (where: "FILE row N", the row)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -27,26 +49,165 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def read_rows(path: str, split: str = "train") -> list[dict]:
-    """Rows from a local .jsonl/.jsonl.gz/.json file, or from a hub dataset via `datasets`."""
+def _pyarrow():
+    try:
+        import pyarrow  # lazy: only parquet and arrow data need it
+        import pyarrow.ipc  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise DataError("reading parquet or arrow data needs the `pyarrow` package (pip install pyarrow)") from None
+    return pyarrow
+
+
+def _file_format(path: Path) -> str | None:
+    name = path.name.lower()
+    for suffix, fmt in ((".parquet", "parquet"), (".arrow", "arrow"), (".jsonl", "jsonl"), (".jsonl.gz", "jsonl"),
+                        (".json", "json")):
+        if name.endswith(suffix):
+            return fmt
+    with open(path, "rb") as f:  # another name: tell by the content
+        head = f.read(64)
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    if head.startswith((b"ARROW1", b"\xff\xff\xff\xff")):
+        return "arrow"
+    if head.startswith(b"\x1f\x8b") or head.lstrip().startswith(b"{"):
+        return "jsonl"
+    return "json" if head.lstrip().startswith(b"[") else None
+
+
+def _table_rows(path: Path, fmt: str) -> list[dict]:
+    pa = _pyarrow()
+    try:
+        if fmt == "parquet":
+            table = pa.parquet.read_table(path)
+        else:
+            with pa.memory_map(str(path)) as src:
+                magic = src.read(6)
+                src.seek(0)
+                reader = pa.ipc.open_file(src) if magic == b"ARROW1" else pa.ipc.open_stream(src)
+                table = reader.read_all()
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: not a readable {fmt} file ({type(exc).__name__}: {exc})") from None
+    return table.to_pylist()
+
+
+def read_file(path: Path) -> list[Located]:
+    """The rows of one data file, each with where it is."""
+    fmt = _file_format(path)
+    if fmt is None:
+        raise DataError(f"{path}: not a readable data file: {EXPECTED}")
+    if fmt == "json":
+        text = path.read_text(encoding="utf-8")
+        if text.lstrip().startswith("{"):  # JSON lines under a .json name
+            rows = read_jsonl(path)
+        else:
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+                raise DataError(f"{path}: expected a JSON list of objects")
+    else:
+        rows = read_jsonl(path) if fmt == "jsonl" else _table_rows(path, fmt)
+    return [(f"{path} row {i}", r) for i, r in enumerate(rows)]
+
+
+def _saved_dataset(folder: Path) -> list[Path]:
+    """The .arrow shards of a Dataset.save_to_disk directory, in state.json's order."""
+    try:
+        state = json.loads((folder / "state.json").read_text())
+        names = [f["filename"] for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        names = []
+    return [folder / n for n in names] or sorted(folder.glob("*.arrow"))
+
+
+def _saved_splits(folder: Path, split: str | None) -> list[Path]:
+    """The shards of a DatasetDict.save_to_disk directory: one split, or all of them."""
+    try:
+        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        splits = sorted(p.parent.name for p in folder.glob("*/state.json"))
+    if split is not None and split not in splits:
+        raise DataError(f"{folder}: a saved DatasetDict with no split {split!r} (it has {', '.join(splits)})")
+    return [f for s in ([split] if split is not None else splits) for f in _saved_dataset(folder / s)]
+
+
+def _words(rel: Path) -> set[str]:
+    """The words of a path inside the data folder: its directories, and its file name cut at - _ ."""
+    name = rel.name.lower()
+    for suffix in _DATA_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return {p.lower() for p in rel.parts[:-1]} | set(re.split(r"[-_.]", name))
+
+
+def _snapshot(folder: Path, split: str | None) -> list[Path]:
+    """The data files of a snapshot or cache directory for one split (all when none is asked for, or
+    when no file names a split). One copy of the data only: files from several configurations
+    (MBPP's full/ and sanitized/) or in several formats are an error that says where to point."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name.lower().endswith(_DATA_SUFFIXES)
+                   and not p.name.startswith("cache-")  # what datasets' .map() left in a cache
+                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+    if not files:
+        raise DataError(f"{folder}: no data files in this directory: {EXPECTED}")
+    words = {f: _words(f.relative_to(folder)) for f in files}
+    if split is not None:
+        chosen = [f for f in files if split.lower() in words[f]]
+        named = sorted(set().union(*words.values()) & SPLIT_WORDS)
+        if not chosen and named:
+            raise DataError(f"{folder}: no file for split {split!r} (its files name the splits {', '.join(named)})")
+        files = chosen or files
+    skip = SPLIT_WORDS | ({split.lower()} if split else set())
+    copies = {"/".join(p for p in f.relative_to(folder).parent.parts if p.lower() not in skip) or "." for f in files}
+    if len(copies) > 1:
+        raise DataError(f"{folder}: the data is here more than once (under {', '.join(sorted(copies))}, e.g. one "
+                        "configuration each): point at one of those directories")
+    kinds = {_file_format(f) for f in files}
+    if len(kinds) > 1:
+        raise DataError(f"{folder}: the data is here in more than one format ({', '.join(sorted(kinds))}): "
+                        "point at one file")
+    return files
+
+
+def data_files(path: Path, split: str | None) -> list[Path]:
+    """The files that hold a local data set's rows (see the module's doc)."""
+    if path.is_file():
+        return [path]
+    if (path / "dataset_dict.json").is_file():
+        return _saved_splits(path, split)
+    if (path / "state.json").is_file():
+        return _saved_dataset(path)
+    return _snapshot(path, split)
+
+
+def read_located_rows(path: str, split: str | None = "train") -> list[Located]:
+    """Every row of a data set, each with where it is ("FILE row N", for error messages), from a
+    local file or directory in any of the module's formats, or a hub id."""
     local = Path(path).expanduser()
-    if local.is_file():
-        if local.suffix == ".json":
-            data = json.loads(local.read_text())
-            if not isinstance(data, list):
-                raise DataError(f"{local}: expected a JSON list of objects")
-            return data
-        return read_jsonl(local)
-    if local.exists() or path.startswith((".", "/", "~")):
-        raise DataError(f"{path}: not a readable data file")
+    if local.exists():
+        if not (local.is_file() or local.is_dir()):
+            raise DataError(f"{path}: not a readable data file: {EXPECTED}")
+        return [row for f in data_files(local, split) for row in read_file(f)]
+    if path.startswith((".", "/", "~")) or "\\" in path:
+        raise DataError(f"{path}: not a readable data file (no such file or directory)")
     repo, _, config = path.partition(":")
     try:
         import datasets  # lazy: slow to import, and only hub ids need it
 
         ds = datasets.load_dataset(repo, config or None, split=split)
+    except ImportError:
+        raise DataError(f"{path!r} is not a local path, and a hub id needs the `datasets` package") from None
     except Exception as exc:  # offline, unknown id, bad split: one clear line
-        raise DataError(f"could not load hub dataset {path!r} split {split!r}: {type(exc).__name__}: {exc}") from None
-    return [dict(r) for r in ds]
+        raise DataError(f"could not load hub dataset {path!r} split {split!r} ({path!r} is not a local file or "
+                        f"directory either): {type(exc).__name__}: {exc}") from None
+    parts = ds.items() if split is None else [(split, ds)]  # None: a DatasetDict, every split
+    return [(f"{path} ({name}) row {i}", dict(r)) for name, d in parts for i, r in enumerate(d)]
+
+
+def read_rows(path: str, split: str | None = "train") -> list[dict]:
+    """The rows of `read_located_rows`, without where they are."""
+    return [row for _, row in read_located_rows(path, split)]
 
 
 def field_of(row: dict, name: str, where: str):

