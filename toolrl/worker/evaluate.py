@@ -88,7 +88,8 @@ def score_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="evaluate.py score",
                                      description="score one program against a task's tests")
     add_config_args(parser)
-    parser.add_argument("--task", required=True, help="humaneval:HumanEval/0, mbpp:PATH#ID or apps:PATH#ID")
+    parser.add_argument("--task", required=True,
+                        help="humaneval:HumanEval/0, mbpp:PATH[@SPLIT]#ID or apps:PATH[@SPLIT]#ID")
     parser.add_argument("--program", required=True,
                         help="a file with the code (or a completion with a fence); - for stdin")
     parser.add_argument("--mode", choices=["fraction", "all"],

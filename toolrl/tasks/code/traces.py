@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--api-key", help="sent as a bearer token (or set OPENAI_API_KEY)")
     ap.add_argument("--tasks", default="humaneval",
-                    help="humaneval, mbpp[:PATH], apps[:PATH][@DIFFICULTY], joined by +")
+                    help="humaneval, mbpp[:PATH][@SPLIT], apps[:PATH][@SPLIT][@DIFFICULTY], joined by +")
     ap.add_argument("--split", choices=["train", "heldout", "all"], default="train",
                     help="which side of the seeded split (teach on train; never on what you evaluate)")
     ap.add_argument("--seed", type=int, default=0, help="the split's seed (the training run's data.seed)")
