@@ -8,8 +8,9 @@ from outside launch.sh (as a worker on another node would) and is killed half a 
 Every 20 s the resident memory (RSS) and open file descriptors of each long-lived process are
 sampled. At the end:
 
-- growth: for each process, its last reading over its reading after the warm-up (the first quarter
-  of the run), for RSS and for fds; the goal is under 10% (1.10);
+- growth: for each process, its median reading over the last quarter of the run over its median
+  over the quarter after the warm-up (the first quarter), for RSS and for fds; the goal is under 10%
+  (1.10);
 - nothing lost: the reference server's `samples_in == samples_out + dropped_stale + dropped_failed +
   queued`, and the learner trained exactly `samples_out` samples;
 - nothing duplicated: in the learner's dump of every trained sample, no group has more policy
@@ -26,6 +27,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -54,12 +56,13 @@ def role_of(cmd: list[str], ports: dict) -> str | None:
     """Which long-lived process of the run this is (None: a launcher, a runner, or not ours). The
     fork server is the first of the sandbox's processes (its zygotes and runners come and go)."""
     text = " ".join(cmd)
-    if any(a.endswith("deepspeed") or a.endswith("launch.py") for a in cmd):
-        return None  # the DeepSpeed launchers, not the learner's rank
-    for script, role in (("executor_service.py", "executor"), ("ref_server.py", "ref_server"),
-                         ("gen_worker.py", "gen_worker")):
+    if any(a.endswith("/deepspeed") or a.startswith("deepspeed.") for a in cmd):
+        return None  # the DeepSpeed launchers (bin/deepspeed, -m deepspeed.launcher.launch), not the rank
+    for script, role in (("executor_service.py", "executor"), ("ref_server.py", "ref_server")):
         if script in text and str(ports[role]) in text:
             return role
+    if "gen_worker.py" in text and "worker-0" in cmd:  # launch.sh's worker (the churning ones are churn-N)
+        return "gen_worker"
     if "learner.py" in text:
         return "learner"
     if "toolrl.executor.forkserver" in text:
@@ -152,15 +155,21 @@ def main() -> None:
 
 
 def growth(samples: list[dict], budget: float) -> dict:
-    """Each process's last reading over its first reading after the warm-up (a quarter of the run)."""
-    out: dict = {"rss_growth": {}, "fd_growth": {}}
+    """Each process's median reading over the last quarter of the run against its median over the
+    quarter after the warm-up (the first quarter). Medians, because a learner's RSS swings with the
+    batch it is on (activations): one reading against another would measure where in a step each fell.
+    `rss_last_over_first` keeps that single-reading ratio too."""
+    out: dict = {"rss_growth": {}, "fd_growth": {}, "rss_last_over_first": {}}
     for role in ("executor", "forkserver", "ref_server", "gen_worker", "learner"):
-        seen = [s[role] for s in samples if role in s]
-        after = [s[role] for s in samples if role in s and s["t"] >= budget / 4]
-        if not after or len({x["pid"] for x in seen}) != 1:
-            continue  # not seen after warm-up, or restarted (then growth is not one process's)
-        out["rss_growth"][role] = round(after[-1]["rss_mb"] / after[0]["rss_mb"], 3)
-        out["fd_growth"][role] = round(after[-1]["fds"] / after[0]["fds"], 3)
+        seen = [s for s in samples if role in s]
+        early = [s[role] for s in seen if budget / 4 <= s["t"] < budget / 2]
+        late = [s[role] for s in seen if s["t"] >= 3 * budget / 4]
+        if not early or not late or len({s[role]["pid"] for s in seen}) != 1:
+            continue  # not seen in both windows, or restarted (then growth is not one process's)
+        med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
+        out["rss_growth"][role] = round(med(late, "rss_mb") / med(early, "rss_mb"), 3)
+        out["fd_growth"][role] = round(med(late, "fds") / med(early, "fds"), 3)
+        out["rss_last_over_first"][role] = round(late[-1]["rss_mb"] / early[0]["rss_mb"], 3)
     out["rss_growth_max"] = max(out["rss_growth"].values(), default=None)
     out["fd_growth_max"] = max(out["fd_growth"].values(), default=None)
     return out

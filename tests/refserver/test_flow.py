@@ -25,9 +25,16 @@ def test_the_bound_counts_queued_generating_and_this_versions_deliveries():
     assert g.release_worker("w2") == 1 and g.in_flight == 3
     t[0] = 61.0  # w1's lease ran out: taken back
     assert g.capacity(queued=0, delivered_since_version=0) == 8 and g.stats()["expired_total"] == 1
+    # the learner took all of this version's samples: nothing more may start until the version moves,
+    # even with the queue empty and nothing generating (it would be stale at max_staleness 0)
+    g0 = Grants(samples_per_version=4, max_staleness=0, lease_s=60)
+    assert g0.take("w", 2, queued=0, delivered_since_version=4) is None
+    assert g0.take("w", 2, queued=0, delivered_since_version=2) is not None
     big = Grants(samples_per_version=2, max_staleness=0, lease_s=60)
-    assert big.take("w", 5, queued=0, delivered_since_version=0) is not None  # empty: one group always starts
+    assert big.take("w", 5, queued=0, delivered_since_version=0) is not None  # too big for the bound: alone
     assert big.take("w", 5, queued=0, delivered_since_version=0) is None
+    big.release_worker("w")
+    assert big.take("w", 5, queued=0, delivered_since_version=1) is None  # not once the version has begun
 
 
 def test_grants_over_http_end_with_uploads_versions_and_workers_leaving():

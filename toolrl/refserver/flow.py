@@ -10,8 +10,8 @@ samples may be queued or being generated at once (AReaL bounds its rollouts the 
 asks for a grant of one group's samples before it starts the group; the grant ends when the group is
 uploaded, when the worker gives it back (a group it left out), when the worker leaves the registry,
 or when its lease runs out. Grants are counted across every worker, so the bound holds for all of
-them together. An empty system always grants one group, so a group larger than the capacity (a
-misconfiguration) slows training down rather than stopping it.
+them together. A group larger than the whole bound (a misconfiguration) starts alone, at the start
+of a version, so it slows training down rather than stopping it.
 """
 from __future__ import annotations
 
@@ -47,7 +47,10 @@ class Grants:
         if n < 1:
             raise ValueError(f"a grant is for at least one sample, not {n}")
         room = self.capacity(queued, delivered_since_version)
-        if n > room and (self.in_flight or queued):
+        # A group larger than the whole bound (a misconfiguration) may start when the version's
+        # room is all free, or it would never start; otherwise a group waits for room.
+        oversized_alone = n > self.limit and room == self.limit
+        if n > room and not oversized_alone:
             self.refused_total += 1
             return None
         gid = secrets.token_hex(8)
