@@ -47,3 +47,40 @@ def test_half_sent_headers_are_cut_off_and_whole_requests_are_served(monkeypatch
         assert closed_within(kept, 5) and time.time() - t0 < 2
     finally:
         server.should_exit = True
+
+
+def test_bodies_over_the_cap_are_refused_declared_or_chunked(monkeypatch):
+    import httpx
+    from fastapi import Request
+    from pydantic import BaseModel
+
+    class Body(BaseModel):
+        data: list[int]
+
+    app = FastAPI()
+
+    @app.post("/json")
+    async def json_route(b: Body):
+        return {"n": len(b.data)}
+
+    @app.post("/stream")
+    async def stream_route(request: Request):
+        return {"n": len(await request.body())}
+    net.cap_request_bodies(app, 1000, exempt=("/stream",))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert httpx.post(f"{url}/json", json={"data": [1, 2, 3]}).json() == {"n": 3}
+        big = {"data": list(range(1000))}
+        r = httpx.post(f"{url}/json", json=big)
+        assert r.status_code == 413 and "over the limit of 1000" in r.text
+        chunks = (b"1," * 20 for _ in range(200))  # no Content-Length: counted as it comes
+        r = httpx.post(f"{url}/json", content=iter(chunks), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert httpx.post(f"{url}/stream", content=b"x" * 5000).json() == {"n": 5000}  # exempt
+    finally:
+        server.should_exit = True

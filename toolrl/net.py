@@ -112,6 +112,52 @@ def install_error_handlers(app: FastAPI, log: logging.Logger) -> None:
         return JSONResponse(status_code=500, content={"detail": f"internal error: {type(exc).__name__}: {exc}"})
 
 
+class BodyCap:
+    """ASGI middleware: a request body over `max_bytes` is refused with 413, whether it says so up
+    front (Content-Length) or only as it arrives (chunked: counted, never buffered past the cap; the
+    413 goes out at once and the route sees the client gone). FastAPI reads a JSON route's whole body
+    into memory before validating it, so without this one request could hold any amount. Routes in
+    `exempt` (path prefixes) stream and cap their own bodies (uploads, weight buckets)."""
+
+    def __init__(self, app, max_bytes: int, exempt: tuple[str, ...] = ()):
+        self.app, self.max_bytes, self.exempt = app, max_bytes, exempt
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or (self.exempt and scope["path"].startswith(self.exempt)):
+            return await self.app(scope, receive, send)
+        for key, value in scope["headers"]:
+            if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return await self._refuse(scope, receive, send, f"body of {int(value)} bytes")
+        seen, refused = 0, False
+
+        async def capped():
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    refused = True
+                    await self._refuse(scope, receive, send, "body")
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def send_unless_refused(message):
+            if not refused:  # the 413 is the answer; the route's own (to a gone client) is dropped
+                await send(message)
+        await self.app(scope, capped, send_unless_refused)
+
+    async def _refuse(self, scope, receive, send, what: str) -> None:
+        await JSONResponse(status_code=413, content={"detail": f"{what} is over the limit of {self.max_bytes} bytes"},
+                           headers={"Connection": "close"})(scope, receive, send)
+
+
+def cap_request_bodies(app: FastAPI, max_bytes: int, exempt: tuple[str, ...] = ()) -> None:
+    """Every route's body at most `max_bytes` (413 otherwise), but for the `exempt` path prefixes."""
+    app.add_middleware(BodyCap, max_bytes=max_bytes, exempt=exempt)
+
+
 def setup_logging(name: str, level: str = "INFO") -> logging.Logger:
     logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"%(asctime)s {name} %(levelname)s %(message)s", datefmt="%H:%M:%S")

@@ -18,13 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from toolrl.config import Config
 from toolrl.protocol import CONTENT_TYPE, PayloadTooLarge, Sample, WireFormatError, decode_samples, encode_samples
-from toolrl.net import ByteBudget, bearer_auth, install_error_handlers, read_body_capped
+from toolrl.net import ByteBudget, bearer_auth, cap_request_bodies, install_error_handlers, read_body_capped
 from toolrl.refserver import metrics
 from toolrl.refserver.checks import AheadOfLearner, Refused, check_versions
 from toolrl.refserver.flow import Grants
 from toolrl.refserver.queue import AsyncSampleQueue, GroupTooLarge, QueueFull, SampleQueue
 from toolrl.refserver.reference import Reference
-from toolrl.refserver.registry import RegistryError, WorkerRegistry
+from toolrl.refserver.registry import MAX_STATE_BYTES, RegistryError, WorkerRegistry
 
 MAX_UPLOAD_WAIT_S = 60.0  # a client may ask /upload to wait this long for space
 MAX_GRANT_WAIT_S = 60.0  # ... and /grants this long for room
@@ -166,6 +166,9 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     app = FastAPI(title="toolrl reference server", lifespan=lifespan)
     app.state.queue, app.state.reference, app.state.registry, app.state.stats = queue, reference, registry, stats
     install_error_handlers(app, log)
+    # JSON routes: the largest legitimate body is a resume set of every worker's state. /upload
+    # streams and caps its own (max_upload_bytes, under a deadline).
+    cap_request_bodies(app, registry.max_workers * MAX_STATE_BYTES + (1 << 20), exempt=("/upload",))
     auth = [Depends(bearer_auth(rs.token))]
     registry_metrics = metrics.metrics_registry(stats)
 

@@ -14,7 +14,9 @@ from toolrl.tasks import DataError, load_task, task_seed
 from toolrl.protocol import PayloadTooLarge, WireFormatError
 from toolrl.weightsync.buckets import MAX_WEIGHTS_BYTES
 from toolrl.weightsync.transport import BucketOrderError, UpdateAborted
-from toolrl.net import bearer_auth, install_error_handlers
+from toolrl.net import bearer_auth, cap_request_bodies, install_error_handlers
+
+MAX_JSON_BYTES = 4 << 20  # the JSON routes' bodies (a probe's prompt ids are the largest)
 
 log = logging.getLogger("gen_worker")
 
@@ -63,6 +65,7 @@ def build_app(worker) -> FastAPI:
     app = FastAPI(title="toolrl gen worker")
     auth = Depends(bearer_auth(worker.cfg.rollout.token))
     install_error_handlers(app, log)
+    cap_request_bodies(app, MAX_JSON_BYTES, exempt=("/update_weights",))  # buckets stream under their own cap
 
     @app.get("/health")
     async def health():
