@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,12 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from toolrl.config import load_config  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from toolrl.net import free_port  # noqa: E402
 
 
 def cmdline(pid: int) -> list[str]:
@@ -135,7 +129,7 @@ def main() -> None:
                 churn = None
                 next_join = now + args.churn_every / 2
                 print(f"  {now - t0:5.0f}s worker churn-{joined - 1} killed", flush=True)
-            r = readings({k: v for k, v in ports.items()})
+            r = readings(ports)
             if r:
                 samples.append({"t": round(now - t0, 1), **r})
                 print(f"  {now - t0:5.0f}s " + "  ".join(f"{k} {v['rss_mb']:.0f}MB/{v['fds']}fd"
