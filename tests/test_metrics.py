@@ -39,17 +39,20 @@ def test_summary_breaks_mixed_levels_down():
 
 
 def test_batch_stats_count_the_policy_samples_their_staleness_and_truncation():
-    def s(correct, version, stop, source="policy", calls=()):
+    def s(correct, version, stop, source="policy", calls=(), runs=()):
         return Sample(prompt_ids=[1], completion_ids=[2, 3, 4], loss_mask=[1, 0, 1], logprobs=[-1.0, None, -1.0],
                       rewards={"correct": correct}, reward=correct, group_id="g", policy_version=version,
-                      stop_reason=stop, source=source,
+                      version_runs=list(runs), stop_reason=stop, source=source,
                       tool_calls=[ToolCall(code="x", status=c, output="") for c in calls])
 
-    batch = [s(1.0, 3, "eos", calls=["ok"]), s(0.0, 2, "length", calls=["error", "ok"]), s(0.0, 3, "max_tool_calls"),
-             s(1.0, 3, "eos", source="teacher")]
+    # the second sample was interrupted by an update after its tool output: tokens of v2, then v3
+    batch = [s(1.0, 3, "eos", calls=["ok"]), s(0.0, 2, "length", calls=["error", "ok"], runs=[(0, 2), (2, 3)]),
+             s(0.0, 3, "max_tool_calls"), s(1.0, 3, "eos", source="teacher")]
     out = batch_stats(batch, version=3)
     assert out["samples"] == 4 and out["accuracy"] == pytest.approx(1 / 3)  # the teacher trace is not counted
     assert out["tool_calls_per_sample"] == 1.0 and out["tool_error_rate"] == pytest.approx(1 / 3)
     assert out["staleness/0"] == 2 and out["staleness/1"] == 1 and out["staleness_mean"] == pytest.approx(1 / 3)
+    # by generated token: 6 tokens, of which only the interrupted sample's first is a version behind
+    assert out["staleness_token_mean"] == pytest.approx(1 / 6) and out["mixed_version_samples"] == 1
     assert out["stop/length_frac"] == pytest.approx(1 / 3)
     assert out["response_len"] == 2 and out["completion_len"] == 3

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from toolrl.protocol import (
     CorruptPayload, PayloadTooLarge, Sample, SchemaMismatch, ToolCall, WireFormatError, decode_samples,
@@ -22,13 +23,16 @@ def samples(draw):
     mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
     logp = [draw(finite) if m else None for m in mask]
     with_ref = draw(st.booleans())
+    version = draw(st.integers(0, 10**6))
+    starts = sorted(draw(st.sets(st.integers(1, max(1, n - 1)), max_size=3))) if n > 1 else []
+    runs = [(0, version)] + [(a, version + k + 1) for k, a in enumerate(starts)] if draw(st.booleans()) else []
     return Sample(
         prompt_ids=draw(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=30)),
         completion_ids=draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)),
         loss_mask=mask, logprobs=logp,
         rewards=draw(st.dictionaries(st.text(min_size=1, max_size=8), st.floats(-10, 10), max_size=3)),
         reward=draw(st.floats(-10, 10)), advantage=draw(st.floats(-10, 10)),
-        group_id=draw(st.text(max_size=12)), policy_version=draw(st.integers(0, 10**6)),
+        group_id=draw(st.text(max_size=12)), policy_version=version, version_runs=runs,
         ref_logprobs=[draw(finite) for _ in range(n)] if with_ref else None,
         stop_reason=draw(st.sampled_from(["eos", "length", "max_tool_calls"])),
         tool_calls=[ToolCall(code=draw(st.text(max_size=20)), status="ok", output=draw(st.text(max_size=20)))],
@@ -59,6 +63,35 @@ def test_samples_round_trip_exactly(group, extra):
     back, meta = decode_samples(encode_samples(group, **extra))
     assert back == group
     assert meta == extra
+
+
+def test_version_runs_record_every_tokens_policy_and_cannot_hide_an_older_one():
+    base = dict(prompt_ids=[1], completion_ids=[4, 5, 6, 7, 8], loss_mask=[1, 1, 0, 1, 1],
+                logprobs=[-0.1, -0.1, None, -0.2, -0.2], group_id="g")
+    s = Sample(**base, policy_version=2, version_runs=[(0, 2), (3, 4)])
+    assert s.token_versions() == [2, 2, 2, 4, 4] and s.newest_version == 4
+    assert Sample(**base, policy_version=2).token_versions() == [2] * 5
+    bad = {"claims a newer version than its oldest token's": dict(policy_version=4, version_runs=[(0, 2), (3, 4)]),
+           "runs that do not start at token 0": dict(policy_version=2, version_runs=[(1, 2)]),
+           "a version going back": dict(policy_version=2, version_runs=[(0, 2), (3, 1)]),
+           "a run past the completion": dict(policy_version=2, version_runs=[(0, 2), (5, 3)]),
+           "a repeated start": dict(policy_version=2, version_runs=[(0, 2), (3, 3), (3, 4)])}
+    for why, fields in bad.items():
+        with pytest.raises(ValidationError, match="version_runs"):
+            Sample(**base, **fields)
+            pytest.fail(why)
+
+
+def test_a_sample_whose_newest_token_is_ahead_of_the_learner_is_not_admitted():
+    from toolrl.refserver.checks import AheadOfLearner, Refused, check_versions
+
+    s = Sample(prompt_ids=[1], completion_ids=[4, 5], loss_mask=[1, 1], logprobs=[-0.1, -0.1], group_id="g",
+               policy_version=2, version_runs=[(0, 2), (1, 9)])
+    check_versions([s.model_copy(update={"version_runs": [(0, 2), (1, 3)]})], 3, True)
+    with pytest.raises(Refused, match="v9"):
+        check_versions([s], 3, True)
+    with pytest.raises(AheadOfLearner):
+        check_versions([s.model_copy(update={"version_runs": [(0, 2), (1, 4)]})], 3, True)
 
 
 def test_masked_logprobs_stay_null_and_floats_exact():

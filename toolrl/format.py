@@ -40,6 +40,19 @@ def format_tool_result(output: str) -> str:
     return f"\n{OUTPUT_FENCE}\n{body}```\n"
 
 
+def stop_strings(stop_marker: str, at_program_close: bool) -> list[str]:
+    """Where a model segment stops for the tool: the marker, and `</program>` as well when the
+    harness writes the marker line itself (rollout.stop_at_program_close)."""
+    return [stop_marker] + ([PROGRAM_CLOSE] if at_program_close else [])
+
+
+def ends_inside_stop(text: str, stops: list[str]) -> bool:
+    """Whether `text` ends with the beginning of a stop string. A segment cut off there (by a
+    weight update) and resumed as a new request would hide the stop string from the engine, which
+    only looks for it in the new request's own output."""
+    return any(text.endswith(s[:k]) for s in stops for k in range(1, len(s)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Answers
 

@@ -10,7 +10,8 @@ SFT (the best policy sample of its group that solved the problem). The learner's
 
 Inputs of the losses are per-token tensors of shape [B, T] over completion positions (right-padded), with
 `mask` 1 only where the policy generated the token: tool output and padding never count. Three
-policies meet: π_θ (`logp`, the learner now), π_behaviour (the sampler's logprobs) and, optionally,
+policies meet: π_θ (`logp`, the learner now), π_behaviour (the sampler's logprobs, per token: a
+rollout interrupted by a weight update holds tokens of two versions, each with its own) and, optionally,
 π_old (`old_logp`: the learner's logprobs before the batch's first update, detached).
 
     base       = π_old if given; else sg(π_θ) with an IS correction on; else π_behaviour

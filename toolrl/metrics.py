@@ -80,9 +80,13 @@ def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
     out["completion_len"] = r["mean_completion_tokens"]
     out["tool_calls_per_sample"] = r["tool_calls_per_answer"]
     out["tool_error_rate"] = r["tool_error_rate"]
-    stale = Counter(version - s.policy_version for s in policy)
+    stale = Counter(version - s.policy_version for s in policy)  # by each sample's oldest token
     out["staleness_mean"] = sum(k * v for k, v in stale.items()) / len(policy)
     for k, v in sorted(stale.items()):
         out[f"staleness/{k}"] = v
+    # by token, over the tokens the policy generated: a rollout interrupted by an update holds several versions
+    lags = [version - v for s in policy for v, m in zip(s.token_versions(), s.loss_mask) if m]
+    out["staleness_token_mean"] = statistics.fmean(lags) if lags else 0.0
+    out["mixed_version_samples"] = sum(len(s.version_runs) > 1 for s in policy)
     out["stop/length_frac"] = sum(1 for s in policy if s.stop_reason in TRUNCATED) / len(policy)
     return out

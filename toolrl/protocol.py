@@ -68,6 +68,13 @@ class Sample(BaseModel):
 
     `loss_mask` is 1 where the policy generated the token and 0 for inserted tool output;
     `logprobs` holds the sampler's logprob of each generated token and None under mask 0.
+
+    `version_runs` records which policy version generated each completion token, as runs
+    [(first token index, version), ...]: a rollout interrupted by a weight update continues under
+    the new policy (toolrl.weightsync.gate), so one sample can hold tokens of several versions.
+    Empty means every token is `policy_version`'s. Versions only move forward along a sample, and
+    `policy_version` is always the oldest token's (the first run's): the staleness rule and every
+    per-sample figure use that, the learner's per-token staleness uses the runs.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -80,6 +87,7 @@ class Sample(BaseModel):
     advantage: float = 0.0
     group_id: str
     policy_version: int = Field(0, ge=0)
+    version_runs: list[tuple[int, int]] = Field(default_factory=list)
     source: Literal["policy", "teacher"] = "policy"
     ref_logprobs: list[float] | None = None
     stop_reason: StopReason = ""
@@ -103,12 +111,37 @@ class Sample(BaseModel):
                 raise ValueError(f"logprobs[{i}]={lp} must be finite where the model generated the token")
             if m == 0 and lp is not None:
                 raise ValueError(f"logprobs[{i}] must be null for tool output (loss_mask 0)")
+        self._check_runs(n)
         for k, v in self.rewards.items():
             if not math.isfinite(v):
                 raise ValueError(f"reward {k!r} is not finite")
         if not (math.isfinite(self.advantage) and math.isfinite(self.reward)):
             raise ValueError("reward and advantage must be finite")
         return self
+
+    def _check_runs(self, n: int) -> None:
+        runs = self.version_runs
+        if not runs:
+            return
+        if runs[0] != (0, self.policy_version):
+            raise ValueError(f"version_runs must start at token 0 with policy_version {self.policy_version} "
+                             f"(the oldest token's), got {list(runs[0])}")
+        for (a, va), (b, vb) in zip(runs, runs[1:]):
+            if not (a < b < n and va < vb):
+                raise ValueError(f"version_runs must move forward inside the completion's {n} tokens: "
+                                 f"{[a, va]} then {[b, vb]}")
+
+    def token_versions(self) -> list[int]:
+        """The policy version that generated each completion token."""
+        runs = self.version_runs or [(0, self.policy_version)]
+        n, out = len(self.completion_ids), []
+        for (start, v), (end, _) in zip(runs, [*runs[1:], (n, 0)]):
+            out += [v] * (end - start)
+        return out
+
+    @property
+    def newest_version(self) -> int:
+        return self.version_runs[-1][1] if self.version_runs else self.policy_version
 
     @property
     def num_tokens(self) -> int:
@@ -120,7 +153,8 @@ def sample_record(s: Sample, **extra: Any) -> dict:
     return {"prompt_ids": s.prompt_ids, "completion_ids": s.completion_ids, "loss_mask": s.loss_mask,
             "logprobs": s.logprobs, "rewards": s.rewards, "reward": s.reward, "advantage": s.advantage,
             "group_id": s.group_id, "tool_calls": [t.model_dump() for t in s.tool_calls], "text": s.text,
-            "policy_version": s.policy_version, "stop_reason": s.stop_reason, "source": s.source, **extra}
+            "policy_version": s.policy_version, "version_runs": s.version_runs, "stop_reason": s.stop_reason,
+            "source": s.source, **extra}
 
 
 _TOKEN_FIELDS = ("prompt_ids", "completion_ids", "loss_mask", "logprobs", "ref_logprobs")

@@ -154,6 +154,55 @@ def test_update_weights_changes_logprobs_to_the_new_weights(stack, samples, hf):
     assert httpx.get(f"{url}/health").json()["policy_version"] == 1
 
 
+def test_an_update_interrupts_rollouts_which_go_on_exactly_under_the_new_weights(stack, hf):
+    """With rollouts in flight, an update cuts them short instead of waiting for them; they go on
+    under the new weights. A sample holding both versions records which token came from which, and
+    each token's sampler logprob is that of the weights its record names (a resumed request that
+    kept the old weights' KV cache, or the old weights, would fail this)."""
+    from toolrl.refserver.client import RefServerClient
+    from toolrl.weightsync.http import push_weights
+
+    url = stack["worker"]
+    v = httpx.get(f"{url}/health").json()["policy_version"]
+    old = {n: t.detach().clone() for n, t in hf.state_dict().items()}
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.down_proj.weight.add_(torch.randn_like(layer.mlp.down_proj.weight) * 0.05)
+    named = [(n, t.detach().clone()) for n, t in hf.state_dict().items()]
+    with RefServerClient(stack["ref"]) as ref:
+        while ref.get_batch(64, 1 << 20, wait_s=1):  # an empty queue, and then a new version: room
+            pass
+        ref.set_version(v)
+        deadline, since = time.time() + 300, None
+        while since is None or time.time() < since + 5:  # requests in flight for 5 s: past their prefill
+            busy = httpx.get(f"{url}/stats").json()["generating_requests"] >= 4
+            since = (since or time.time()) if busy else None
+            assert time.time() < deadline, "the worker generated nothing"
+            time.sleep(0.1)
+        answer = push_weights(url, named, version=v + 1, bucket_mb=16, timeout_s=600)
+        assert answer["loaded"] and answer["interrupted"] >= 1 and answer["drain_s"] < 2, answer
+        ref.set_version(v + 1)
+        mixed, deadline = [], time.time() + 600
+        while not mixed and time.time() < deadline:
+            mixed = [s for s in ref.get_batch(64, 1 << 20, wait_s=10) or [] if len(s.version_runs) > 1]
+    assert mixed, "no sample held tokens of both versions"
+    s = mixed[0]
+    assert s.version_runs == [(0, v), (s.version_runs[1][0], v + 1)] and s.policy_version == v
+    versions, gen = s.token_versions(), [i for i, m in enumerate(s.loss_mask) if m]
+    new_model = sample_logprobs(hf, [s], temperature=TEMP)[0]
+    hf.load_state_dict(old)
+    old_model = sample_logprobs(hf, [s], temperature=TEMP)[0]
+    hf.load_state_dict(dict(named))  # as the worker holds it, for the tests after this one
+
+    def gap(lps, version):
+        d = [abs(s.logprobs[i] - lps[i]) for i in gen if versions[i] == version]
+        return sum(d) / len(d)
+    assert gap(old_model, v) < 0.01 and gap(new_model, v + 1) < 0.01
+    assert gap(new_model, v) > 2 * gap(old_model, v) and gap(old_model, v + 1) > 2 * gap(new_model, v + 1)
+    assert httpx.get(f"{url}/stats").json()["interrupted_requests"] >= answer["interrupted"]
+
+
 def test_bad_weight_updates_are_refused(stack):
     url = stack["worker"]
     r = httpx.post(f"{url}/update_weights", content=b"garbage", headers={"Content-Type": CONTENT_TYPE})

@@ -28,10 +28,10 @@ class FakeAgent:
     def prompt_ids(self, question):
         return [1]
 
-    async def rollouts(self, prompt, gid, n):
+    async def rollouts(self, prompt, gid, n, versions=None):
         if self.hold is not None:
             await self.hold.wait()
-        return [SimpleNamespace(stop_reason="stop", generated=1, tool_calls=[]) for _ in range(n)]
+        return [SimpleNamespace(stop_reason="stop", generated=1, tool_calls=[], interruptions=0) for _ in range(n)]
 
     async def run_tests(self, problem, rolls):
         return None
@@ -39,7 +39,7 @@ class FakeAgent:
     def score(self, problem, rolls, gid, version, tests):
         self.seen.append(problem.id)
         right = round(self.acc * len(rolls))
-        return [SimpleNamespace(rewards={"correct": float(i < right)}, reward=float(i < right))
+        return [SimpleNamespace(rewards={"correct": float(i < right)}, reward=float(i < right), version_runs=[])
                 for i in range(len(rolls))]
 
 

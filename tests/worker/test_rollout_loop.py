@@ -349,8 +349,9 @@ def test_zero_variance_groups_are_dropped_or_kept_and_counted(tool, drop):
 
 
 def test_in_flight_rollouts_finish_on_their_version_and_new_ones_wait_for_the_update(tool):
-    """A weight update drains the rollouts in flight (tagged with the version they started under)
-    before it loads, and rollouts that start meanwhile wait for the new weights."""
+    """With rollout.interruptible false, a weight update drains the rollouts in flight (tagged with
+    the version they started under) before it loads, and rollouts that start meanwhile wait for the
+    new weights. (Interrupting instead: test_interruptible.py.)"""
     problems = arithmetic_problems(2, seed=6, level=1)
     events, release = [], asyncio.Event()  # an Event binds to the loop that first waits on it
 
@@ -361,7 +362,7 @@ def test_in_flight_rollouts_finish_on_their_version_and_new_ones_wait_for_the_up
         return boxed(p.answer), None
 
     worker = demo_worker(tool, ByProblem(problems, answer), "teacher.traces_per_group=0", "rollout.group_size=2",
-                         "rollout.drain_timeout_s=60")
+                         "rollout.drain_timeout_s=60", "rollout.interruptible=false")
 
     async def load():
         events.append(("load", worker.gate.inflight))

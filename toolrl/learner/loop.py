@@ -142,7 +142,9 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
         last_step_s = time.time() - t0
         metrics.update(time_wait_s=t1 - t0, time_compute_s=t2 - t1, time_sync_s=t3 - t2, step_time_s=last_step_s,
                        policy_version=trainer.version, workers_ok=synced.get("workers_ok", 0),
-                       workers_failed=synced.get("workers_failed", 0))
+                       workers_failed=synced.get("workers_failed", 0), sync_drain_s=synced.get("drain_s_max", 0.0),
+                       sync_reload_s=synced.get("reload_s_max", 0.0),
+                       requests_interrupted=synced.get("interrupted", 0))
         if rank0:
             try:
                 st = ref.stats()

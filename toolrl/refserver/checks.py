@@ -104,13 +104,16 @@ def check_versions(samples: Sequence[Sample], learner_version: int, known: bool)
     """A sample may not claim a policy newer than the learner's: it would never go stale. Refused
     when it is further ahead than a push in progress explains; AheadOfLearner (retry) when the
     learner may be about to announce that version, or has not announced any since this server
-    started (a restarted server learns it from the learner's next request)."""
+    started (a restarted server learns it from the learner's next request). A sample's newest
+    token counts (toolrl.protocol.Sample.version_runs)."""
     for i, s in enumerate(samples):
-        lead = s.policy_version - learner_version
+        newest = s.newest_version
+        lead = newest - learner_version
         if lead <= 0:
             continue
         if known and lead > MAX_VERSION_LEAD:
-            raise Refused(i, "policy_version", f"v{s.policy_version} is ahead of the learner's v{learner_version}")
-        raise AheadOfLearner(f"sample {i} is from policy v{s.policy_version}, which the learner "
+            raise Refused(i, "version_runs" if s.version_runs else "policy_version",
+                          f"v{newest} is ahead of the learner's v{learner_version}")
+        raise AheadOfLearner(f"sample {i} is from policy v{newest}, which the learner "
                              f"(v{learner_version}{'' if known else ', not announced yet'}) has not announced; retry")
 

@@ -1,9 +1,15 @@
 """The worker's side of weight sync: the gate between rollouts and weight updates.
 
-Rollouts run inside `gate.rollout()`. When an update arrives the gate closes: new rollouts wait,
-in-flight ones drain (they finish on the weights they started under and stay tagged with that
-version; only after `drain_timeout_s` are they aborted and discarded), then the new weights load in
-place and the version moves. So no sample mixes two policies.
+Two kinds of work pass the gate:
+- Training rollouts are interruptible: each generation request runs inside `gate.segment()`. When
+  an update arrives the gate closes, the requests in flight are aborted at once (each keeps the
+  tokens it has, tagged with the version that generated them), the new weights load, and the
+  rollouts send their next request under the new version (toolrl.worker.rollout). No update waits
+  for a rollout to finish, and every token's version is recorded (toolrl.protocol.Sample.version_runs).
+- Whole rollouts (held-out evaluation, inference) run inside `gate.rollout()` and are drained:
+  they finish on the weights they started under; only after `drain_timeout_s` are they aborted
+  and discarded.
+Tokens are only ever generated with the gate open, so no token's recorded version is wrong.
 
 If a load fails part-way the weights are a mix: `weights_ok` turns false, the gate stays closed and
 /health says so until a whole update loads. Updates arrive as HTTP buckets (`receive_bucket`,
@@ -16,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from toolrl.net import wait_for
@@ -25,8 +32,17 @@ from toolrl.weightsync.transport import BucketOrderError, UpdateAborted
 log = logging.getLogger("gen_worker")
 
 
+@dataclass
+class Segment:
+    """One generation request of an interruptible rollout: the version it runs under, and whether
+    a weight update cut it short (its output then ends with finish_reason "abort")."""
+    request_id: str
+    version: int
+    interrupted: bool = False
+
+
 class WeightGate:
-    """`engine` needs load_buckets, load_broadcast, join_group and abort_all (toolrl.worker.engine)."""
+    """`engine` needs load_buckets, load_broadcast, join_group, abort and abort_all (toolrl.worker.engine)."""
 
     def __init__(self, engine, assembler: WeightAssembler, drain_timeout_s: float, sync_timeout_s: float,
                  on_loaded: Callable[[int, float], None] = lambda version, reload_s: None, name: str = ""):
@@ -37,10 +53,14 @@ class WeightGate:
         self.weights_ok = True  # False after a load failed part-way: the weights are a mix
         self.phase: str | None = None  # "draining" | "loading" while an update is under way
         self.group: str | None = None  # the learner's process group joined
-        self.inflight = 0
+        self.inflight = 0  # whole rollouts
+        self.segments: dict[str, Segment] = {}  # requests of interruptible rollouts, by request id
+        self.interrupted = 0  # requests cut short by an update, in all
         self.tasks: set[asyncio.Task] = set()  # rollout tasks, cancelled when a drain times out
         self._idle = asyncio.Event()
         self._idle.set()
+        self._no_segments = asyncio.Event()
+        self._no_segments.set()
         self._open = asyncio.Event()  # cleared while an update drains and loads
         self._open.set()
         self._lock = asyncio.Lock()
@@ -59,6 +79,20 @@ class WeightGate:
             self.inflight -= 1
             if self.inflight == 0:
                 self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def segment(self, request_id: str) -> AsyncIterator[Segment]:
+        """One request of an interruptible rollout: waits while an update is under way, then runs
+        under the version loaded; an update that arrives meanwhile aborts it and waits for it to leave."""
+        await self._open.wait()
+        seg = self.segments[request_id] = Segment(request_id, self.version)
+        self._no_segments.clear()
+        try:
+            yield seg
+        finally:
+            del self.segments[request_id]
+            if not self.segments:
+                self._no_segments.set()
 
     def track(self, task: asyncio.Task) -> None:
         """A task whose rollouts should be cancelled, not awaited, when a drain times out."""
@@ -112,9 +146,29 @@ class WeightGate:
         return await self.swap(version, load)
 
     # -- the swap -------------------------------------------------------------------------------
+    async def _interrupt(self) -> int:
+        """Abort every interruptible request in flight and wait until each has left its segment
+        (the engine answers an abort with the tokens so far). Aborts are repeated: a request that
+        entered its segment but had not reached the engine yet is missed by the first."""
+        cut = list(self.segments.values())
+        for seg in cut:
+            seg.interrupted = True
+        deadline = time.time() + self.drain_timeout_s
+        while self.segments:
+            await self.engine.abort(list(self.segments))
+            try:
+                await asyncio.wait_for(self._no_segments.wait(), 0.25)
+            except asyncio.TimeoutError:
+                if time.time() > deadline:
+                    raise TimeoutError(f"{len(self.segments)} generation requests did not stop within "
+                                       f"{self.drain_timeout_s:.0f}s of being aborted") from None
+        self.interrupted += len(cut)
+        return len(cut)
+
     async def swap(self, version: int, load: Callable[[], Awaitable[float]], aborted=lambda: False) -> dict:
-        """Close the gate, drain the in-flight rollouts, `load()` the new weights in place and move
-        the version. If the load fails part-way the gate stays closed until a whole update loads."""
+        """Close the gate, interrupt the interruptible requests and drain the whole rollouts in
+        flight, `load()` the new weights in place and move the version. If the load fails part-way
+        the gate stays closed until a whole update loads."""
         async with self._lock:  # an earlier update, superseded, finishes failing first
             self._open.clear()
             t0, loading = time.time(), False
@@ -122,6 +176,7 @@ class WeightGate:
             try:
                 if aborted():
                     raise UpdateAborted(f"version {version} was superseded")
+                interrupted = await self._interrupt()
                 try:
                     await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
                 except asyncio.TimeoutError:
@@ -138,9 +193,10 @@ class WeightGate:
                 reload_s = await load()
                 self.version, self.weights_ok = version, True
                 self.on_loaded(version, reload_s)
-                log.info("loaded policy version %d (drain %.2fs, load %.2fs)", version, drain_s, reload_s)
+                log.info("loaded policy version %d (drain %.2fs, %d requests interrupted; load %.2fs)",
+                         version, drain_s, interrupted, reload_s)
                 return {"version": version, "loaded": True, "drain_s": drain_s, "reload_s": reload_s,
-                        "worker_id": self.name}
+                        "interrupted": interrupted, "worker_id": self.name}
             except BaseException as exc:
                 if loading:
                     log.error("loading version %d failed part-way (%s); no rollouts until a whole update loads",

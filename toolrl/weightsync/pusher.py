@@ -90,7 +90,11 @@ class WeightSync:
         self.ref.set_version(version)
         self.last = {"version": version, "workers_ok": len(ok), "workers_failed": len(failed),
                      "sync_s": time.time() - t0,
-                     "reload_s_max": max((a.get("reload_s", 0.0) for a in ok.values()), default=0.0)}
+                     "reload_s_max": max((a.get("reload_s", 0.0) for a in ok.values()), default=0.0),
+                     # how long the workers held the update back for rollouts in flight (interrupting
+                     # them: milliseconds; draining them: until they finished)
+                     "drain_s_max": max((a.get("drain_s", 0.0) for a in ok.values()), default=0.0),
+                     "interrupted": sum(a.get("interrupted", 0) for a in ok.values())}
         return {**self.last, "failed": failed}
 
     def catch_up(self, state_fn, version: int) -> int:

@@ -25,7 +25,7 @@ from toolrl.tasks import Problem
 from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
 from toolrl.worker.engine import VllmEngine
 from toolrl.worker.rewards import Completion, check_names, score, weights_at
-from toolrl.worker.rollout import ExecutorTool, Rollout, pending_program, run_rollout
+from toolrl.worker.rollout import ExecutorTool, FixedVersion, Rollout, Versions, pending_program, run_rollout
 
 log = logging.getLogger("gen_worker")
 
@@ -65,16 +65,17 @@ class Agent:
         return self.gate.rollout() if self.gate is not None else contextlib.nullcontext(0)
 
     # -- acting ---------------------------------------------------------------------------------
-    async def rollouts(self, prompt: list[int], gid: str, n: int) -> list[Rollout]:
+    async def rollouts(self, prompt: list[int], gid: str, n: int, versions: Versions | None = None) -> list[Rollout]:
         """n rollouts of one prompt; `{gid}.{i}` are the request ids and the executor session ids.
-        Each is its own request, so one sample's tool call never stalls the others."""
+        Each is its own request, so one sample's tool call never stalls the others. `versions`:
+        the gate for interruptible rollouts, else FixedVersion(the version they run under)."""
         return await asyncio.gather(*[run_rollout(self.engine, self.tool, self.tokenizer, prompt, self.cfg.rollout,
-                                                  f"{gid}.{i}", self.pending_code) for i in range(n)])
+                                                  f"{gid}.{i}", self.pending_code, versions) for i in range(n)])
 
     async def answer(self, question: str, request_id: str) -> Rollout:
         """One rollout of a free-form question (inference.py)."""
-        async with self.gated():
-            return (await self.rollouts(self.prompt_ids(question), request_id, 1))[0]
+        async with self.gated() as v:
+            return (await self.rollouts(self.prompt_ids(question), request_id, 1, FixedVersion(v)))[0]
 
     # -- scoring --------------------------------------------------------------------------------
     async def run_tests(self, problem: Problem, rolls: list[Rollout]) -> list | None:
@@ -90,16 +91,19 @@ class Agent:
 
     def score(self, problem: Problem, rolls: list[Rollout], gid: str, version: int,
               tests: list | None = None) -> list[Sample]:
-        """The rollouts of one problem as samples: rewards at `version`, then group advantages."""
+        """The rollouts of one problem as samples: rewards at `version` (where the group began), then
+        group advantages. Each sample's version is its oldest token's (a rollout interrupted by an
+        update holds several: Sample.version_runs)."""
         samples = []
         for i, r in enumerate(rolls):
             text, final = r.texts(self.tokenizer, self.cfg.prompt.prefill)
             c = Completion(text, final, r.tool_calls, tests[i] if tests else None, problem.grading)
             rewards, total = score(c, problem.answer, self.cfg.rewards, version)
+            runs = r.version_runs if len(r.version_runs) > 1 else []  # one version: policy_version says it
             samples.append(Sample(prompt_ids=r.prompt_ids, completion_ids=r.completion_ids, loss_mask=r.loss_mask,
                                   logprobs=r.logprobs, rewards=rewards, reward=total, group_id=gid,
-                                  policy_version=version, stop_reason=r.stop_reason, tool_calls=r.tool_calls,
-                                  text=text))
+                                  policy_version=r.version_runs[0][1] if r.version_runs else version,
+                                  version_runs=runs, stop_reason=r.stop_reason, tool_calls=r.tool_calls, text=text))
         advs = group_advantages([s.reward for s in samples], scale=self.cfg.grpo.scale_rewards, std=self.cfg.grpo.std)
         for s, a in zip(samples, advs):
             s.advantage = a
@@ -122,7 +126,7 @@ class Agent:
             async with sem:
                 async with self.gated() as v:
                     gid = self.group_id(problem.id, "eval:")
-                    rolls = await self.rollouts(self.prompt_ids(problem.question), gid, samples)
+                    rolls = await self.rollouts(self.prompt_ids(problem.question), gid, samples, FixedVersion(v))
                 kept = [r for r in rolls if r.stop_reason not in INFRA_FAILED]  # not the model's doing
                 aborted += len(rolls) - len(kept)
                 try:

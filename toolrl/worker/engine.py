@@ -19,7 +19,7 @@ import torch
 
 from toolrl.config import Config
 from toolrl.models import resolve_dtype
-from toolrl.format import PROGRAM_CLOSE
+from toolrl.format import stop_strings
 from toolrl.net import wait_for
 
 
@@ -72,7 +72,7 @@ class VllmEngine:
         t0 = time.time()
         self.llm = AsyncLLM.from_engine_args(args)
         self.start_s = time.time() - t0
-        self.stops = [r.stop_marker] + ([PROGRAM_CLOSE] if r.stop_at_program_close else [])
+        self.stops = stop_strings(r.stop_marker, r.stop_at_program_close)
         self.top_p = r.top_p
         self.temperature = r.temperature
         self.active: set[str] = set()
@@ -134,6 +134,12 @@ class VllmEngine:
         return await self._load("toolrl_load_broadcast", {"group_id": group_id, "push_id": push_id,
                                                           "specs": specs, "timeout_s": timeout_s},
                                 timeout_s * (len(specs) + 1), "receiving a weight update by broadcast")
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """End these requests now; each one's `generate` returns what it had, finish_reason "abort"."""
+        ids = [i for i in request_ids if i in self.active]
+        if ids:
+            await self.llm.abort(ids)
 
     async def abort_all(self) -> int:
         ids = list(self.active)

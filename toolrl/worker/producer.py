@@ -24,7 +24,7 @@ from toolrl.grpo import zero_variance
 from toolrl.protocol import Sample
 from toolrl.tasks import Problem, get_task, problem_stream
 from toolrl.worker.agent import Agent, agent_seed
-from toolrl.worker.rollout import Rollout
+from toolrl.worker.rollout import FixedVersion, Rollout
 from toolrl.worker.teacher import teacher_sample
 
 log = logging.getLogger("gen_worker")
@@ -52,6 +52,8 @@ class Stats:
     last_reload_s: float = 0.0
     reward_sum: float = 0.0
     correct_sum: float = 0.0
+    interruptions: int = 0  # model segments cut short by a weight update and resumed
+    mixed_version_samples: int = 0  # samples holding tokens of more than one policy version
 
     def count_group(self, rolls: list[Rollout], samples: list[Sample]) -> None:
         self.groups += 1
@@ -61,6 +63,8 @@ class Stats:
         self.tool_errors += sum(1 for r in rolls for t in r.tool_calls if t.status != "ok")
         self.reward_sum += sum(s.reward for s in samples)
         self.correct_sum += sum(s.rewards.get("correct", 0.0) for s in samples)
+        self.interruptions += sum(r.interruptions for r in rolls)
+        self.mixed_version_samples += sum(len(s.version_runs) > 1 for s in samples)
         if zero_variance([s.reward for s in samples]):
             self.zero_std_groups += 1
 
@@ -100,6 +104,7 @@ class Producer:
         self._seed = agent_seed(agent.name, cfg.data.seed)
         self.flow: Flow | None = None  # flow control (set by the training worker); None: no limit
         self._grants: dict[int, str] = {}  # id(yielded group) -> its grant, until uploaded
+        self._pending: dict = {}  # the groups in flight (produce)
         self._failures = 0  # groups in a row that raised
         # What one group uploads, which is what its grant asks for: its rollouts and teacher traces.
         self.group_samples = cfg.rollout.group_size + (cfg.teacher.traces_per_group if self._teacher else 0)
@@ -161,10 +166,13 @@ class Producer:
         None when the group is left out (aborted, or its tests could not be run). `index`: the group's
         place in the stream (from `next_problem`); a problem from elsewhere seeds the teacher by its id."""
         a, restores = self.agent, self._restores
-        async with a.gated() as version:
-            gid = a.group_id(problem.id)
-            prompt = a.prompt_ids(problem.question)
-            rolls = await a.rollouts(prompt, gid, self.cfg.rollout.group_size)
+        gid, prompt = a.group_id(problem.id), a.prompt_ids(problem.question)
+        if a.gate is not None and self.cfg.rollout.interruptible:  # updates cut in; versions per token
+            version = a.gate.version
+            rolls = await a.rollouts(prompt, gid, self.cfg.rollout.group_size, a.gate)
+        else:
+            async with a.gated() as version:
+                rolls = await a.rollouts(prompt, gid, self.cfg.rollout.group_size, FixedVersion(version))
         if any(r.stop_reason == "abort" for r in rolls):
             self.stats.aborted_groups += 1
             return None
@@ -213,6 +221,7 @@ class Producer:
         to whoever uploads it (`take_grant`); a group left out gives its grant back."""
         width = self.cfg.rollout.prompts_per_step
         pending: dict[asyncio.Task, str | None] = {}  # task -> its grant
+        self._pending = pending
         started = 0
         while True:
             while len(pending) < width and (n_groups is None or started < n_groups):
@@ -225,7 +234,7 @@ class Producer:
                         break
                 index, problem = self.next_problem()
                 task = asyncio.create_task(self.rollout_group(problem, index))
-                if self.agent.gate is not None:
+                if self.agent.gate is not None and not self.cfg.rollout.interruptible:
                     self.agent.gate.track(task)  # cancelled, not awaited, if a drain times out
                 pending[task] = grant
                 started += 1
@@ -264,6 +273,11 @@ class Producer:
             self.stats.dropped_groups += 1
             return None
         return group
+
+    @property
+    def inflight(self) -> int:
+        """Groups being rolled out now."""
+        return len(self._pending)
 
     def take_grant(self, group: list[Sample]) -> str | None:
         """The flow-control grant of a yielded group: its upload ends it."""

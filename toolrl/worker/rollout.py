@@ -6,17 +6,24 @@ Model segments keep vLLM's token ids and logprobs exactly (loss mask 1). Tool se
 executor's output, tokenised once (loss mask 0, no logprob). Each resume sends the whole token
 list back as the prompt; prefix caching makes that cheap. Nothing the model wrote is ever
 decoded and re-tokenised.
+
+A weight update may cut a model segment short (toolrl.weightsync.gate): the tokens so far stay,
+tagged with the version that generated them, and the segment goes on as a new request under the
+new version; the engine recomputes the context under the new weights. So one sample can hold
+several versions, and `version_runs` says which token came from which.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import AsyncContextManager, Protocol
 
 from toolrl.config import RolloutConfig
 from toolrl.worker.engine import GenOut
-from toolrl.format import extract_program, format_tool_result
+from toolrl.format import ends_inside_stop, extract_program, format_tool_result, stop_strings
 from toolrl.executor.client import ExecutorUnavailable
 from toolrl.protocol import StopReason, ToolCall
+from toolrl.weightsync.gate import Segment
 
 TRUNCATION_MARK = "\n...[output truncated]\n"
 
@@ -30,6 +37,23 @@ class Tool(Protocol):
     async def end_session(self, session_id: str) -> None: ...
 
 
+class Versions(Protocol):
+    """Where each generation request runs: the weight gate's `segment` (interruptible), or one version."""
+    def segment(self, request_id: str) -> AsyncContextManager[Segment]: ...
+
+
+class FixedVersion:
+    """Every request under one version, never interrupted: a whole rollout inside `gate.rollout()`,
+    or an engine whose weights never change."""
+
+    def __init__(self, version: int = 0):
+        self.version = version
+
+    @contextlib.asynccontextmanager
+    async def segment(self, request_id: str):
+        yield Segment(request_id, self.version)
+
+
 @dataclass
 class Rollout:
     prompt_ids: list[int]
@@ -40,9 +64,15 @@ class Rollout:
     segments: list[tuple[str, int, int]] = field(default_factory=list)  # (kind, start, end) in completion
     stop_reason: StopReason = ""
     generated: int = 0  # model tokens only
+    version_runs: list[tuple[int, int]] = field(default_factory=list)  # (first token, policy version)
+    interruptions: int = 0  # model segments cut short by a weight update and resumed
 
-    def add(self, kind: str, ids: list[int], logprobs: list[float] | None) -> None:
+    def add(self, kind: str, ids: list[int], logprobs: list[float] | None, version: int | None = None) -> None:
+        """Append a segment; `version`: the policy that generated a model segment (tool output
+        takes the current one)."""
         start = len(self.completion_ids)
+        if version is not None and (not self.version_runs or self.version_runs[-1][1] != version):
+            self.version_runs.append((0 if not self.version_runs else start, version))
         self.completion_ids += ids
         if kind == "model":
             self.loss_mask += [1] * len(ids)
@@ -81,9 +111,23 @@ def pending_program(prefill: str, stop_marker: str) -> str | None:
     return extract_program(text, stop_marker) if text.endswith(stop_marker) else None
 
 
+def resumable(tokenizer, before: list[int], ids: list[int], stops: list[str]) -> int:
+    """How many of an interrupted segment's tokens to keep: all but a tail that could be the start
+    of a stop string, which the resumed request would otherwise never see whole (`before`: the
+    model's tokens since the last tool output). The tail is generated again."""
+    keep = len(ids)
+    while keep and ends_inside_stop(tokenizer.decode(before + ids[:keep], skip_special_tokens=True), stops):
+        keep -= 1
+    return keep
+
+
 async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: list[int], cfg: RolloutConfig,
-                      request_id: str, pending_code: str | None = None) -> Rollout:
+                      request_id: str, pending_code: str | None = None, versions: Versions | None = None) -> Rollout:
+    """One sample. `versions`: the gate's segments for an interruptible rollout; default one version (0)."""
     r = Rollout(prompt_ids=list(prompt_ids))
+    versions = versions or FixedVersion()
+    stops = stop_strings(cfg.stop_marker, cfg.stop_at_program_close)
+    run_start = 0  # where the model's current run of text began (after the last tool output)
     session = request_id if cfg.session_per_rollout else None
     ran = False  # a program ran in the session: end it, even if its output did not fit
 
@@ -94,8 +138,10 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
         if len(r.prompt_ids) + len(r.completion_ids) + len(ids) >= cfg.max_total_tokens:
             r.stop_reason = "max_total_tokens"
             return False
+        nonlocal run_start
         r.tool_calls.append(call)
         r.add("tool", ids, None)
+        run_start = len(r.completion_ids)
         return True
 
     try:
@@ -113,8 +159,16 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
             if budget <= 0:
                 r.stop_reason = "length" if cfg.max_new_tokens - r.generated <= 0 else "max_total_tokens"
                 break
-            out = await gen.generate(r.prompt_ids + r.completion_ids, budget, f"{request_id}.{len(r.segments)}")
-            r.add("model", out.token_ids, out.logprobs)
+            rid = f"{request_id}.{len(r.segments)}" + (f".r{r.interruptions}" if r.interruptions else "")
+            async with versions.segment(rid) as seg:
+                out = await gen.generate(r.prompt_ids + r.completion_ids, budget, rid)
+            if seg.interrupted and out.finish_reason == "abort":  # a weight update: go on under the new one
+                keep = resumable(tokenizer, r.completion_ids[run_start:], out.token_ids, stops)
+                if keep:
+                    r.add("model", out.token_ids[:keep], out.logprobs[:keep], seg.version)
+                r.interruptions += 1
+                continue
+            r.add("model", out.token_ids, out.logprobs, seg.version)
             if out.stop is None:
                 # vLLM's other finish reasons (abort, error) are the engine's doing, not the model's
                 r.stop_reason = {"stop": "eos", "length": "length"}.get(out.finish_reason, "abort")
@@ -124,7 +178,9 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
             if tool is None or len(r.tool_calls) >= cfg.max_tool_calls:
                 r.stop_reason = "max_tool_calls"
                 break
-            code = extract_program(out.text, cfg.stop_marker)
+            text = out.text if r.segments[-1][1] == run_start else tokenizer.decode(
+                r.completion_ids[run_start:], skip_special_tokens=True)  # a resumed run: the whole of it
+            code = extract_program(text, cfg.stop_marker)
             # Stopped at </program> instead of the marker: the harness writes the marker line itself.
             lead = "" if out.stop == cfg.stop_marker else f"\n{cfg.stop_marker}"
             if code is None:

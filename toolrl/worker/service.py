@@ -4,8 +4,8 @@ groups (waiting when the server is full, never dropping one).
 
 One asyncio loop runs everything: the HTTP server, the producer (`prompts_per_step` groups in flight,
 each of `group_size` rollouts sharing the vLLM engine), the uploader and the heartbeat. Weight updates
-go through the gate (toolrl.weightsync.gate): in-flight rollouts finish on the weights they started
-under, so no sample mixes two policies.
+go through the gate (toolrl.weightsync.gate): they interrupt the rollouts in flight, which go on
+under the new weights with each token's version recorded (rollout.interruptible; else they drain).
 """
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ class GenWorker:
 
     def stats_dict(self) -> dict:
         d = self.stats.as_dict()
-        d.update(worker_id=self.worker_id, policy_version=self.gate.version, inflight_groups=self.gate.inflight,
+        d.update(worker_id=self.worker_id, policy_version=self.gate.version, inflight_groups=self.producer.inflight,
+                 generating_requests=len(self.gate.segments), interrupted_requests=self.gate.interrupted,
                  tool_executor_errors=self.agent.tool.errors, level=self.producer.level)
         return d
 
