@@ -53,13 +53,17 @@ def humaneval_tests(test_code: str, entry_point: str, code_prompt: str = "") -> 
     return TestSpec("assert", tests=tests, setup=prelude, entry_point=entry_point, code_prompt=code_prompt)
 
 
+def humaneval_question(prompt: str) -> str:
+    """What the model is asked for a HumanEval-style prompt (a signature and its docstring)."""
+    return f"Complete this Python function. Give the whole function, with its imports.\n\n```python\n{prompt}```"
+
+
 def load_humaneval(path: str | None = None) -> list[Problem]:
     problems = []
     for r in read_jsonl(Path(path) if path else humaneval_path()):
         spec = humaneval_tests(r["test"], r["entry_point"], r["prompt"])
-        question = ("Complete this Python function. Give the whole function, with its imports.\n\n"
-                    f"```python\n{r['prompt']}```")
-        problems.append(Problem(id=f"humaneval:{r['task_id']}", question=question, answer=spec.to_json(),
+        problems.append(Problem(id=f"humaneval:{r['task_id']}", question=humaneval_question(r["prompt"]),
+                                answer=spec.to_json(),
                                 program=r["prompt"] + r["canonical_solution"],
                                 meta={"source": "humaneval"}, grading="tests"))
     return problems
