@@ -19,13 +19,13 @@ FIX = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def test_the_built_in_families_are_registered():
-    assert task_names() == ["arithmetic", "code", "gsm8k", "jsonl", "math"]
-    assert {n for n in TASKS if get_task(n).grading == "tests"} == {"code"}
-    assert [n for n in TASKS if get_task(n).curriculum] == ["arithmetic"]
+    assert task_names() == ["arithmetic", "code", "gsm8k", "jsonl", "math", "pycode"]
+    assert {n for n in TASKS if get_task(n).grading == "tests"} == {"code", "pycode"}
+    assert [n for n in TASKS if get_task(n).curriculum] == ["arithmetic", "pycode"]
 
 
 def test_an_unknown_family_is_one_clear_error_that_lists_the_registered_ones():
-    registered = "registered: arithmetic, code, gsm8k, jsonl, math"
+    registered = "registered: arithmetic, code, gsm8k, jsonl, math, pycode"
     with pytest.raises(DataError, match=f"unknown task family 'chess'; {registered}"):
         load_task("chess:x", 1, 0, DataConfig())
     with pytest.raises(DataError, match="unknown task family 'chess'"):
