@@ -38,8 +38,8 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     # A registered task family (toolrl.tasks): "arithmetic" is the built-in seeded generator; gsm8k /
-    # math / jsonl read a file or a hub dataset; code reads code tasks. Checked when a gen worker starts
-    # (tasks read this config, so the config cannot import the registry).
+    # math / jsonl read a file or a hub dataset; code reads code tasks; pycode generates them (levels 1-3).
+    # Checked when a gen worker starts (tasks read this config, so the config cannot import the registry).
     source: str = "arithmetic"
     # local data (a jsonl/json/parquet/arrow file, a hub snapshot directory, save_to_disk output; see
     # toolrl.tasks.rows), or a hub dataset id when the network allows. For source=code, the tasks:
@@ -337,7 +337,8 @@ class EvalConfig(Section):
     """Held-out evaluation during a run. The learner asks a live gen worker (`POST /evaluate`) to run
     the problems through its rollout engine with the weights it holds, and logs the result."""
 
-    # evaluate.py's task syntax: arithmetic[:LEVEL or LO-HI], code:TASKS, gsm8k:PATH, math:PATH, jsonl:PATH
+    # evaluate.py's task syntax: arithmetic[:LEVEL or LO-HI], pycode[:LEVEL or LO-HI], code:TASKS, gsm8k:PATH,
+    # math:PATH, jsonl:PATH
     task: str = "arithmetic"
     n_problems: int = Field(64, ge=1)
     samples: int = Field(1, ge=1)  # per problem; pass@k for every k in ks up to this
