@@ -5,7 +5,8 @@
 
 M: a built-in name (smollm2-135m-instruct), an HF id or path, or a run directory (its export).
 T: arithmetic[:LEVEL or LO-HI] (held-out seed data.eval_seed unless --seed), gsm8k:PATH, math:PATH, jsonl:PATH,
-   code:TASKS (the held-out split of data.source=code, e.g. code:humaneval; accuracy = all tests pass).
+   code:TASKS (the held-out split of data.source=code, e.g. code:humaneval; accuracy = all tests pass),
+   pycode[:LEVEL or LO-HI] (generated function-writing problems, the held-out side of their split).
 Needs the executor service at executor.url; if none answers, a private one is started.
 
     python evaluate.py score --task humaneval:HumanEval/0 --program FILE [--mode fraction|all]
