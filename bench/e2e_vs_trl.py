@@ -183,6 +183,14 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def short_name(pid: int) -> str:
+    """A process as a reader knows it: the script it runs (learner.py, gen_worker.py, ...) or its
+    own title (vLLM's engine core and worker name themselves)."""
+    words = cmdline(pid).split()
+    script = next((Path(w).name for w in words if w.endswith(".py")), None)
+    return script or (words[0].rsplit("/", 1)[-1] if words else str(pid))
+
+
 def host_gflops(dtype: str, seconds: float = 1.5) -> float:
     """A 512x512 matmul loop in the run's dtype: the host's speed right now (shared machines drift)."""
     import torch
@@ -209,7 +217,10 @@ class Sampler(threading.Thread):
         while not self.stop.is_set():
             t = time.time()
             pids = tree(self.root)
-            row = {"t": t, "pss_mb": round(sum(pss_mb(p) for p in pids), 1), "procs": len(pids)}
+            each = {p: pss_mb(p) for p in pids}
+            row = {"t": t, "pss_mb": round(sum(each.values()), 1), "procs": len(pids),
+                   # where the memory is: the largest processes, by a short name
+                   "top": [[short_name(p), round(mb)] for p, mb in sorted(each.items(), key=lambda x: -x[1])[:6]]}
             if self.probe is not None:
                 try:
                     row.update(self.probe(pids))
@@ -325,6 +336,7 @@ def run_ours(name: str, extra_sets: list[str], budget_s: float, run_dir: Path, d
         "whole_tok_s": round(completion_tokens / window, 1),
         "mean_completion_tokens": round(completion_tokens / max(1, len(samples)), 1),
         "peak_pss_mb": max(r["pss_mb"] for r in rows),  # start-up, training and export
+        "peak_pss_by_process": max(rows, key=lambda r: r["pss_mb"])["top"],
         "stale_drop_fraction": last.get("queue/stale_drop_fraction"),
         "dropped_stale": last.get("queue/dropped_stale"), "samples_received": last.get("queue/samples_in"),
         "train_reward_first": metrics[0].get("reward/total_mean"), "train_reward_last": last.get("reward/total_mean"),
@@ -410,6 +422,7 @@ def run_peer(name: str, py: Path, out: Path, problems: Path, budget_s: float, dt
         "learner_s": round(learner_s, 1), "whole_tok_s": round(completion_tokens / window, 1),
         "mean_completion_tokens": round(completion_tokens / max(1, n), 1),
         "peak_pss_mb": max(r["pss_mb"] for r in sampler.rows),
+        "peak_pss_by_process": max(sampler.rows, key=lambda r: r["pss_mb"])["top"],
         "zero_std_groups": sum(s["zero_std_groups"] for s in steps),
         "train_reward_first": steps[0]["reward_mean"], "train_reward_last": steps[-1]["reward_mean"],
         "train_accuracy_mean": round(sum(s["accuracy"] * s["samples"] for s in steps) / max(1, n), 3),
