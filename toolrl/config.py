@@ -58,6 +58,11 @@ class DataConfig(Section):
     # Arithmetic: draw problems from every level up to the current one in turn, not the current one
     # alone, so earlier levels keep being reviewed (level 3 with mix_levels: levels 1-3 from the start)
     mix_levels: bool = False
+    # Arithmetic: the kinds of problem the stream draws in turn (toolrl.tasks.arithmetic.KINDS), those
+    # at the curriculum's level (with mix_levels: at every level up to it). Names, or the groups
+    # taught, free (the kinds the teacher never demonstrates: gain, loss) and all;
+    # a kind named twice comes twice as often. None: the taught kinds, one per level (as always)
+    kinds: list[str] | None = None
 
 
 class PromptConfig(Section):
@@ -283,6 +288,10 @@ class TeacherConfig(Section):
     # w_teacher decays as the policy improves: w_teacher * max(0, 1 - accuracy_ema / decay_at_accuracy)
     decay_at_accuracy: float | None = Field(0.8, gt=0, le=1)
     ema: float = Field(0.7, ge=0, lt=1)  # smoothing of the accuracy that drives the decay
+    # Arithmetic: the kinds whose groups get teacher traces (names or groups, as data.kinds); a group
+    # of any other kind gets none, so what the policy learns there comes from reward alone.
+    # None: the taught kinds, never the teacher-free ones
+    kinds: list[str] | None = None
 
 
 class LoraConfig(Section):
@@ -337,8 +346,8 @@ class EvalConfig(Section):
     """Held-out evaluation during a run. The learner asks a live gen worker (`POST /evaluate`) to run
     the problems through its rollout engine with the weights it holds, and logs the result."""
 
-    # evaluate.py's task syntax: arithmetic[:LEVEL or LO-HI], pycode[:LEVEL or LO-HI], code:TASKS, gsm8k:PATH,
-    # math:PATH, jsonl:PATH
+    # evaluate.py's task syntax: arithmetic[:LEVEL or LO-HI][@KINDS] (e.g. arithmetic:1-3@free: the
+    # teacher-free kinds), pycode[:LEVEL or LO-HI], code:TASKS, gsm8k:PATH, math:PATH, jsonl:PATH
     task: str = "arithmetic"
     n_problems: int = Field(64, ge=1)
     samples: int = Field(1, ge=1)  # per problem; pass@k for every k in ks up to this

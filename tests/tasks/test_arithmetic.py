@@ -10,8 +10,10 @@ import pytest
 
 from toolrl.config import DataConfig, TeacherConfig
 from toolrl.format import STOP_MARKER
-from toolrl.tasks import get_task, load_problems, problem_stream
-from toolrl.tasks.arithmetic import LEVELS, arithmetic_problem, arithmetic_problems, expression_in_words
+from toolrl.tasks import DataError, get_task, load_problems, load_task, problem_stream
+from toolrl.tasks.arithmetic import (_TAUGHT_NAMES, FREE_KINDS, KINDS, LEVELS, TAUGHT_KINDS, arithmetic_problem,
+                                     arithmetic_problems, arithmetic_stream, expression_in_words, kind_problem,
+                                     mixed_stream)
 from toolrl.tasks.textmath import load_gsm8k
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures"
@@ -87,3 +89,115 @@ def test_teacher_trace_plans_programs_and_concludes_from_the_output():
         assert f"{a} times {b}, minus {c}" in t.text.split("<program>")[0]  # the plan names the operation
         assert t.conclusion("123").endswith("\\boxed{123}\n</answer>") and "</think>" in t.conclusion("1")
     assert teacher(load_gsm8k(str(FIX / "gsm8k_sample.jsonl"))[0], rng) is None  # not generated: no trace
+
+
+# ---------------------------------------------------------------------------------------------
+# Kinds: the taught ones (the levels) and the teacher-free ones
+
+def test_every_problem_has_a_kind_and_the_free_kinds_are_right():
+    for level in LEVELS:  # the taught kinds are the levels, problem for problem
+        p = arithmetic_problem(3, level, 0)
+        assert (p.meta["kind"], p.meta["taught"]) == (_TAUGHT_NAMES[level], True) == (TAUGHT_KINDS[level - 1], True)
+        assert kind_problem(3, p.meta["kind"], 0) == p and p.id == f"arith-L{level}-s3-0"
+    assert set(FREE_KINDS) == {"gain", "loss"} and not set(FREE_KINDS) & set(TAUGHT_KINDS)
+    for kind in FREE_KINDS:
+        probs = [kind_problem(7, kind, i) for i in range(40)]
+        assert probs == [kind_problem(7, kind, i) for i in range(40)]  # seeded
+        assert probs != [kind_problem(8, kind, i) for i in range(40)]
+        assert len({p.question for p in probs}) == 40
+        for i, p in enumerate(probs):
+            expr = p.meta["expression"]
+            assert (p.meta["kind"], p.meta["taught"], p.level) == (kind, False, KINDS[kind].level)
+            assert p.id == f"arith-{kind}-s7-{i}" and p.program == f"print({expr})"
+            assert str(eval(expr)) == p.answer and int(p.answer) >= 144  # positive, and needs a calculator
+            assert all(str(v) in p.question for v in p.meta["numbers"].values())
+            json.dumps(p.meta)
+    gain, loss = kind_problem(0, "gain", 0), kind_problem(0, "loss", 0)
+    assert " + " in gain.meta["expression"] and " - " in loss.meta["expression"]
+
+
+def test_gain_and_loss_differ_only_in_a_verb_the_teacher_never_uses():
+    """Each scene is worded once gaining and once losing, with the same question: only the verb says
+    which operation it is, and the taught templates never use those words."""
+    taught = " ".join(t for k in TAUGHT_KINDS for t in KINDS[k].templates).lower()
+    for g, lo in zip(KINDS["gain"].templates, KINDS["loss"].templates):
+        (g_head, g_question), (l_head, l_question) = g.rsplit(". ", 1), lo.rsplit(". ", 1)
+        assert g_question == l_question and g_head.split(", and then ")[0] == l_head.split(", and then ")[0]
+    for cue in ("joins", "gift", "picks", "takes on", "fly away", "loses", "wilt", "unloads"):
+        assert cue in " ".join(KINDS["gain"].templates + KINDS["loss"].templates) and cue not in taught
+
+
+def test_the_default_stream_is_unchanged_and_naming_the_taught_kinds_changes_nothing():
+    ids = lambda it, n=12: [p.id for p in itertools.islice(it, n)]  # noqa: E731
+    for mix, level in ((True, 3), (False, 2), (True, 1)):
+        d = DataConfig(level=level, max_level=3, mix_levels=mix)
+        old = ids(mixed_stream(d.seed * 100_003 + 7, level) if mix else arithmetic_stream(d.seed * 100_003 + 7, level))
+        assert ids(get_task("arithmetic").stream(d, 7)) == old
+        for kinds in (["taught"], ["product", "product_plus", "product_minus"]):
+            assert ids(get_task("arithmetic").stream(d.model_copy(update={"kinds": kinds}), 7)) == old
+    d = DataConfig(level=2, kinds=["taught"])
+    assert load_problems(d, n=5) == arithmetic_problems(5, seed=0, level=2)
+
+
+def test_the_stream_draws_the_kinds_named_in_turn():
+    d = DataConfig(level=3, max_level=3, mix_levels=True, kinds=["all"])  # levels 4-5 are above the curriculum
+    got = list(itertools.islice(problem_stream(d, "w0"), 15))
+    assert [p.meta["kind"] for p in got[:5]] == ["product", "product_plus", "product_minus", "gain", "loss"]
+    assert len({p.id for p in got}) == 15
+    # a kind named twice comes twice as often, never with the same problem twice
+    twice = list(itertools.islice(problem_stream(d.model_copy(update={"kinds": ["taught", "free", "free"]}), "w0"), 70))
+    kinds = [p.meta["kind"] for p in twice]
+    assert kinds.count("loss") == kinds.count("gain") == 20 == 2 * kinds.count("product")
+    assert len({p.id for p in twice}) == 70
+    # without mix_levels, the kinds at the curriculum's level; the curriculum's level picks among them
+    only = DataConfig(level=2, max_level=3, kinds=["product_plus", "gain", "product_minus", "loss"])
+    kinds_of = lambda it: {p.meta["kind"] for p in itertools.islice(it, 8)}  # noqa: E731
+    assert kinds_of(problem_stream(only, "w0")) == {"product_plus", "gain"}
+    assert kinds_of(problem_stream(only, "w0", level=3)) == {"product_minus", "loss"}
+    with pytest.raises(DataError, match="unknown arithmetic kind 'gains'"):
+        problem_stream(d.model_copy(update={"kinds": ["gains"]}), "w0")
+    with pytest.raises(DataError, match="level 1"):  # a level the curriculum reaches has no kind: said at once
+        problem_stream(DataConfig(level=1, max_level=3, kinds=["gain", "loss"]), "w0")
+
+
+def test_heldout_selects_kinds_and_stays_apart_from_training():
+    d = DataConfig(level=1)
+    free = load_task("arithmetic:1-3@free", 6, 5, d)
+    assert [p.id for p in free] == [f"arith-{k}-s5-{i}" for i in range(3) for k in ("gain", "loss")]
+    assert load_task("arithmetic:1-3@free", 4, 5, d) == free[:4]  # a smaller eval is a prefix
+    assert load_task("arithmetic:@free", 6, 5, d) == free == load_task("arithmetic:1-3@gain,loss", 6, 5, d)
+    every = load_task("arithmetic:1-3@all", 10, 5, d)
+    assert [p.meta["kind"] for p in every[:5]] == ["product", "product_plus", "product_minus", "gain", "loss"]
+    assert every[:3] == load_task("arithmetic:1-3", 9, 5, d)[:3]  # the taught kinds' problems are the levels'
+    assert load_task("arithmetic:1-3@taught", 9, 5, d) == load_task("arithmetic:1-3", 9, 5, d)
+    assert {p.meta["kind"] for p in load_task("arithmetic:3@free", 4, 5, d)} == {"loss"}
+    for bad, words in (("arithmetic:1@loss", "level 1"), ("arithmetic:1-3@nope", "unknown arithmetic kind"),
+                       ("arithmetic:1-3@", "no kind"), ("arithmetic:x@free", "@KINDS")):
+        with pytest.raises(DataError, match=words):
+            load_task(bad, 3, 5, d)
+    # training draws from data.seed, held-out problems from data.eval_seed: no question in common
+    train = DataConfig(level=3, max_level=3, mix_levels=True, kinds=["free"])
+    trained = {p.question for p in itertools.islice(problem_stream(train, "w0"), 400)}
+    held = load_task("arithmetic:1-3@free", 400, train.eval_seed, train)
+    assert not trained & {p.question for p in held}
+
+
+def test_the_teacher_demonstrates_only_the_taught_kinds():
+    rng = random.Random(0)
+    task = get_task("arithmetic")
+    taught, free = load_task("arithmetic:1-3@taught", 6, 5, DataConfig()), load_task("arithmetic:1-3@free", 6, 5,
+                                                                                      DataConfig())
+    default = task.teacher(TeacherConfig())
+    assert all(default(p, rng) is not None for p in taught) and all(default(p, rng) is None for p in free)
+    said = task.teacher(TeacherConfig(kinds=["taught"]))
+    assert all(said(p, rng) is not None for p in taught) and all(said(p, rng) is None for p in free)
+    # teacher.kinds may teach a teacher-free kind (an upper bound to compare with), and then its trace is right
+    loss_only = task.teacher(TeacherConfig(kinds=["loss"]))
+    for p in free:
+        t = loss_only(p, rng)
+        assert (t is not None) == (p.meta["kind"] == "loss")
+        if t is not None:
+            assert t.expect == p.answer and "minus" in t.text.split("<program>")[0]
+    assert all(loss_only(p, rng) is None for p in taught)
+    with pytest.raises(DataError, match="teacher.kinds"):
+        task.teacher(TeacherConfig(kinds=["gian"]))

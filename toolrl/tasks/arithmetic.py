@@ -4,12 +4,21 @@ the teacher that writes each problem's ideal trace.
 Numbers are large enough (3-digit products, several steps) that a 135M model cannot do them in its
 head, and every problem carries the exact expression that solves it, so the teacher can state the
 calculation in words, write a program for it and conclude from the program's real output.
+
+Every problem has a *kind* (`Problem.meta["kind"]`): the operation it asks for and how it is worded.
+The taught kinds are the curriculum's levels, one each (`product` is level 1, a·b; ...); by default
+the training stream draws only these and the teacher demonstrates only these. The teacher-free kinds
+(`gain`, `loss`: a·b + c and a·b − c in new wordings whose verb alone says which) are kinds the
+teacher never writes a trace for, so whatever a policy learns on them comes from reward alone
+(`data.kinds` adds them to the stream, `teacher.kinds` says which kinds the teacher demonstrates,
+`arithmetic:1-3@free` evaluates them; docs/ARCHITECTURE.md, "The teacher and the curriculum").
 """
 from __future__ import annotations
 
 import itertools
 import random
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
 
 from toolrl.config import DataConfig, TeacherConfig
 from toolrl.format import STOP_MARKER
@@ -85,15 +94,105 @@ def _numbers(level: int, rng: random.Random) -> dict[str, int]:
     raise DataError(f"arithmetic level must be one of {LEVELS}, got {level}")
 
 
+# ---------------------------------------------------------------------------------------------
+# Kinds: the taught ones are the levels above; the teacher-free ones are defined here.
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    level: int  # where it sits in the curriculum (data.level .. max_level select kinds by level)
+    expression: str  # format string over the numbers: the exact calculation
+    templates: tuple[str, ...]
+    numbers: Callable[[random.Random], dict[str, int]]
+    taught: bool  # the default partition: taught kinds get teacher traces, the others never by default
+
+
+# The teacher-free kinds: the taught operations a·b + c and a·b − c in new wordings. Each scene is
+# worded twice, once gaining c and once losing it, with the same question ("... now?"), so only the
+# verb says which operation it is, in verbs the taught templates never use. Measured on a policy that
+# the teacher had trained on levels 1-3 (docs/RESULTS.md, "Teacher-free kinds"): gain 0.67, loss
+# 0.25, so groups have reward variance from the start and there is room above. New operations
+# (division, c − a·b, (a + b)·c, a + b, a − b, a·b·c, a·b ± c·d) were solved 0-5% of the time
+# there: no group would have had reward variance, so they are not kinds here.
+_SCENES = [  # (setting, what is gained, what is lost, the question)
+    ("A beekeeper has {a} hives with {b} bees in each hive", "a swarm of {c} bees joins them",
+     "{c} of the bees fly away", "How many bees does the beekeeper have now?"),
+    ("A collector fills {a} albums with {b} stamps each", "a friend gives her {c} stamps as a gift",
+     "she loses {c} stamps in a move", "How many stamps does the collector have now?"),
+    ("A florist arranges {a} vases of {b} roses each", "she picks {c} roses from her garden",
+     "{c} of the roses wilt and are thrown out", "How many roses does the florist have now?"),
+    ("A ship loads {a} containers of {b} tons each", "it takes on {c} tons of fuel",
+     "it unloads {c} tons at the first port", "How many tons does the ship carry now?"),
+]
+
+
+def _gain_loss_numbers(rng: random.Random) -> dict[str, int]:
+    # the same numbers for both kinds (c < a * b): their size says nothing about the operation
+    return {"a": rng.randint(101, 999), "b": rng.randint(12, 99), "c": rng.randint(101, 999)}
+
+
+_FREE_KINDS = [
+    Kind("gain", 2, "{a} * {b} + {c}", tuple(f"{s}, and then {g}. {q}" for s, g, _, q in _SCENES),
+         _gain_loss_numbers, False),
+    Kind("loss", 3, "{a} * {b} - {c}", tuple(f"{s}, and then {lost}. {q}" for s, _, lost, q in _SCENES),
+         _gain_loss_numbers, False),
+]
+
+_TAUGHT_NAMES = {1: "product", 2: "product_plus", 3: "product_minus", 4: "two_products", 5: "branches"}
+KINDS: dict[str, Kind] = {
+    **{name: Kind(name, level, _EXPRESSIONS[level], tuple(_TEMPLATES[level]),
+                  lambda rng, level=level: _numbers(level, rng), True) for level, name in _TAUGHT_NAMES.items()},
+    **{k.name: k for k in _FREE_KINDS},
+}
+TAUGHT_KINDS = tuple(k.name for k in KINDS.values() if k.taught)
+FREE_KINDS = tuple(k.name for k in KINDS.values() if not k.taught)
+KIND_GROUPS = {"taught": TAUGHT_KINDS, "free": FREE_KINDS, "all": tuple(KINDS)}
+
+
+def kind_names(names: Sequence[str], what: str = "kinds") -> list[str]:
+    """Kind names with the groups taught, free and all expanded, in order (repeats kept: a kind named
+    twice in data.kinds is drawn twice as often). DataError for a name that is neither."""
+    out: list[str] = []
+    for n in names:
+        if n in KIND_GROUPS:
+            out += KIND_GROUPS[n]
+        elif n in KINDS:
+            out.append(n)
+        else:
+            raise DataError(f"{what}: unknown arithmetic kind {n!r}; kinds: {', '.join(KINDS)} "
+                            f"(groups: {', '.join(KIND_GROUPS)})")
+    if not out:
+        raise DataError(f"{what}: no kind given")
+    return out
+
+
 def arithmetic_problem(seed: int, level: int, index: int) -> Problem:
-    """Problem `index` of the stream (seed, level); the same triple always gives the same problem."""
+    """Problem `index` of the stream (seed, level) of the level's taught kind; the same triple always
+    gives the same problem."""
     rng = random.Random(f"arith:{seed}:{level}:{index}")
     nums = _numbers(level, rng)
     template = rng.choice(_TEMPLATES[level])
     expr = _EXPRESSIONS[level].format(**nums)
     value = eval(expr, {"__builtins__": {}})  # our own integer expression, never model output
     return Problem(id=f"arith-L{level}-s{seed}-{index}", question=template.format(**nums), answer=str(value),
-                   program=f"print({expr})", level=level, meta={"expression": expr, "numbers": nums})
+                   program=f"print({expr})", level=level,
+                   meta={"expression": expr, "numbers": nums, "kind": _TAUGHT_NAMES[level], "taught": True})
+
+
+def kind_problem(seed: int, kind: str, index: int) -> Problem:
+    """Problem `index` of the stream (seed, kind). A taught kind's problems are its level's
+    (arithmetic_problem), so naming the taught kinds changes no problem."""
+    k = KINDS[kind]
+    if k.taught:
+        return arithmetic_problem(seed, k.level, index)
+    rng = random.Random(f"arith:{seed}:{kind}:{index}")
+    nums = k.numbers(rng)
+    template = rng.choice(k.templates)
+    expr = k.expression.format(**nums)
+    value = eval(expr, {"__builtins__": {}})  # our own integer expression, never model output
+    return Problem(id=f"arith-{kind}-s{seed}-{index}", question=template.format(**nums), answer=str(value),
+                   program=f"print({expr})", level=k.level,
+                   meta={"expression": expr, "numbers": nums, "kind": kind, "taught": False})
 
 
 def arithmetic_problems(n: int, seed: int = 0, level: int = 1, start: int = 0) -> list[Problem]:
@@ -110,6 +209,26 @@ def arithmetic_stream(seed: int = 0, level: int = 1) -> Iterator[Problem]:
 def mixed_stream(seed: int, top: int) -> Iterator[Problem]:
     """Levels 1..top in turn, so earlier levels keep being reviewed (data.mix_levels)."""
     return (arithmetic_problem(seed, i % top + 1, i // top) for i in itertools.count())
+
+
+def kinds_stream(seed: int, kinds: Sequence[str]) -> Iterator[Problem]:
+    """The kinds in turn, each its own stream (a kind listed twice comes twice as often, never with
+    the same problem twice). The taught kinds of levels 1..top are mixed_stream(seed, top) exactly."""
+    drawn: dict[str, int] = {}
+    for kind in itertools.cycle(kinds):
+        i = drawn.get(kind, 0)
+        drawn[kind] = i + 1
+        yield kind_problem(seed, kind, i)
+
+
+def kinds_at(kinds: Sequence[str], levels, what: str) -> list[str]:
+    """The kinds (in order) whose level is one of `levels`; DataError when none is."""
+    levels = set(levels)
+    out = [k for k in kinds if KINDS[k].level in levels]
+    if not out:
+        raise DataError(f"{what}: none of the kinds {', '.join(dict.fromkeys(kinds))} is at level "
+                        f"{' or '.join(map(str, sorted(levels)))}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,29 +305,59 @@ def teacher_trace(problem: Problem, rng: random.Random) -> TeacherTrace | None:
 # The family
 
 class ArithmeticTask(Task):
-    """`data.source: arithmetic`; held out `arithmetic[:LEVEL]` or `arithmetic:LO-HI` (the levels in turn)."""
+    """`data.source: arithmetic`; held out `arithmetic[:LEVEL or LO-HI][@KINDS]`: the kinds at those
+    levels in turn. KINDS: kind names or the groups taught, free and all, joined with commas; without
+    it the taught kinds (one per level), and `arithmetic:@KINDS` takes those kinds at every level."""
 
     name = "arithmetic"
     curriculum = True
 
+    def _kinds(self, data: DataConfig) -> list[str] | None:
+        """data.kinds expanded; None when unset (the taught kinds: the stream as it always was)."""
+        return None if data.kinds is None else kind_names(data.kinds, "data.kinds")
+
     def problems(self, data: DataConfig, n: int | None = None, seed: int | None = None) -> list[Problem]:
-        return arithmetic_problems(n or 64, seed=data.seed if seed is None else seed, level=data.level)
+        seed = data.seed if seed is None else seed
+        kinds = self._kinds(data)
+        if kinds is None:
+            return arithmetic_problems(n or 64, seed=seed, level=data.level)
+        return list(itertools.islice(kinds_stream(seed, kinds_at(kinds, [data.level], "data.kinds")), n or 64))
 
     def stream(self, data: DataConfig, offset: int, level: int | None = None) -> Iterator[Problem]:
         seed, level = data.seed * 100_003 + offset, level or data.level
-        return mixed_stream(seed, level) if data.mix_levels else arithmetic_stream(seed=seed, level=level)
+        kinds = self._kinds(data)
+        if kinds is None:
+            return mixed_stream(seed, level) if data.mix_levels else arithmetic_stream(seed=seed, level=level)
+        # every level the curriculum can reach must have a kind, checked now rather than at a promotion
+        for lv in range(data.level, data.max_level + 1):
+            kinds_at(kinds, range(1, lv + 1) if data.mix_levels else [lv], f"data.kinds at level {lv}")
+        return kinds_stream(seed, kinds_at(kinds, range(1, level + 1) if data.mix_levels else [level], "data.kinds"))
 
     def heldout(self, arg: str, n: int, seed: int, data: DataConfig) -> list[Problem]:
         task = f"{self.name}:{arg}" if arg else self.name
+        arg, at, kind_arg = arg.partition("@")
         lo, _, hi = arg.partition("-")
-        try:
-            levels = range(int(lo), int(hi or lo) + 1) if lo else [data.level]
+        try:  # no level: data.level's kind, or with @KINDS those kinds at every level
+            levels = range(int(lo), int(hi or lo) + 1) if lo else LEVELS if at else [data.level]
         except ValueError:
-            raise DataError(f"task {task!r}: use arithmetic, arithmetic:LEVEL or arithmetic:LO-HI") from None
+            raise DataError(f"task {task!r}: use arithmetic, arithmetic:LEVEL or arithmetic:LO-HI, "
+                            "optionally followed by @KINDS (e.g. arithmetic:1-3@free)") from None
         if not levels:
             raise DataError(f"task {task!r}: empty level range")
-        # problem i of level L is the same whatever n is, so a smaller eval is a prefix of a larger one
-        return [arithmetic_problem(seed, levels[i % len(levels)], i // len(levels)) for i in range(n)]
+        if not at:  # the taught kinds, one per level: the held-out set as it always was
+            # problem i of level L is the same whatever n is, so a smaller eval is a prefix of a larger one
+            return [arithmetic_problem(seed, levels[i % len(levels)], i // len(levels)) for i in range(n)]
+        kinds = kinds_at(list(dict.fromkeys(kind_names([k for k in kind_arg.split(",") if k], f"task {task!r}"))),
+                         levels, f"task {task!r}")
+        return [kind_problem(seed, kinds[i % len(kinds)], i // len(kinds)) for i in range(n)]
 
     def teacher(self, cfg: TeacherConfig) -> Teacher:
-        return teacher_trace
+        """Traces for the kinds in teacher.kinds (default: the taught ones); for any other kind None,
+        so a teacher-free kind's group gets no teacher sample."""
+        taught = frozenset(TAUGHT_KINDS if cfg.kinds is None else kind_names(cfg.kinds, "teacher.kinds"))
+
+        def teach(problem: Problem, rng: random.Random) -> TeacherTrace | None:
+            if problem.meta.get("kind") not in taught:
+                return None
+            return teacher_trace(problem, rng)
+        return teach

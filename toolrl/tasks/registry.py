@@ -47,7 +47,7 @@ def problem_stream(data: DataConfig, worker_id: str, level: int | None = None) -
 
 
 def load_task(task: str, n: int, seed: int, data: DataConfig) -> list[Problem]:
-    """`n` held-out problems for an eval task string, e.g. `arithmetic[:LEVEL or LO-HI]`, `gsm8k:PATH`,
+    """`n` held-out problems for an eval task string, e.g. `arithmetic[:LEVEL or LO-HI][@KINDS]`, `gsm8k:PATH`,
     `math:PATH`, `jsonl:PATH`, `code:TASKS`, `pycode[:LEVEL or LO-HI]` (`data`: the training run's data section)."""
     name, _, arg = task.partition(":")
     return get_task(name).heldout(arg, n, seed, data)
