@@ -6,7 +6,7 @@ import pytest
 from toolrl.config import DataConfig
 from toolrl.metrics import batch_stats, pass_at_k, summarize
 from toolrl.protocol import Sample, ToolCall
-from toolrl.tasks import load_task
+from toolrl.tasks import Problem, load_task
 
 
 @pytest.mark.parametrize("n, c", [(1, 0), (1, 1), (5, 2), (10, 3), (10, 10), (7, 0)])
@@ -56,3 +56,28 @@ def test_batch_stats_count_the_policy_samples_their_staleness_and_truncation():
     assert out["staleness_token_mean"] == pytest.approx(1 / 6) and out["mixed_version_samples"] == 1
     assert out["stop/length_frac"] == pytest.approx(1 / 3)
     assert out["response_len"] == 2 and out["completion_len"] == 3
+
+
+def test_summary_breaks_kinds_down_and_the_teacher_free_ones_together():
+    problems = load_task("arithmetic:1-3@all", 10, 3, DataConfig())  # product .. product_minus, gain, loss, twice
+
+    def s(correct):
+        return Sample(prompt_ids=[1], completion_ids=[2], loss_mask=[1], logprobs=[-1.0],
+                      rewards={"correct": correct, "format": 1.0}, group_id="g")
+
+    right = {"product": 1.0, "product_plus": 0.0, "product_minus": 1.0, "gain": 1.0, "loss": 0.0}
+    groups = {p.id: [s(right[p.meta["kind"]]), s(0.0 if i >= 5 else right[p.meta["kind"]])]
+              for i, p in enumerate(problems)}
+    out = summarize(problems, groups, [1])
+    assert list(out["by_kind"]) == ["product", "product_plus", "product_minus", "gain", "loss"]
+    assert {k: v["accuracy"] for k, v in out["by_kind"].items()} == {
+        "product": 0.75, "product_plus": 0.0, "product_minus": 0.75, "gain": 0.75, "loss": 0.0}
+    assert all(v["n_samples"] == 4 for v in out["by_kind"].values())
+    sets = out["by_kind_set"]
+    assert (sets["taught"]["n_samples"], sets["free"]["n_samples"]) == (12, 8)
+    assert (sets["taught"]["accuracy"], sets["free"]["accuracy"]) == (0.5, 0.375)
+    # only taught kinds: no free set; problems without kinds (other families): no breakdown at all
+    taught_only = summarize(problems[:3], {p.id: groups[p.id] for p in problems[:3]}, [1])
+    assert list(taught_only["by_kind_set"]) == ["taught"]
+    plain = [Problem(id=p.id, question=p.question, answer=p.answer) for p in problems[:2]]
+    assert "by_kind" not in summarize(plain, {p.id: groups[p.id] for p in plain}, [1])

@@ -19,8 +19,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def summarize(problems: list, groups: dict[str, list[Sample]], ks: list[int]) -> dict:
-    """An evaluation's figures: rates over all samples, unbiased pass@k, per problem and per level.
-    `problems` are toolrl.tasks.Problem; `groups` their samples by problem id."""
+    """An evaluation's figures: rates over all samples, unbiased pass@k, per problem, per level and per
+    kind. `problems` are toolrl.tasks.Problem; `groups` their samples by problem id."""
     samples = [s for g in groups.values() for s in g]
     n = len(samples)
     per_problem = []
@@ -41,6 +41,17 @@ def summarize(problems: list, groups: dict[str, list[Sample]], ks: list[int]) ->
     if len(levels) > 1:  # e.g. arithmetic:1-3: the same figures per curriculum level
         out["by_level"] = {str(lv): {"n_samples": len(g), **rates(g, fmt)} for lv in levels
                            for g in [[s for p in problems if p.level == lv for s in groups.get(p.id, [])]]}
+    # Arithmetic problems have a kind (toolrl.tasks.arithmetic): the same figures per kind, in the
+    # order the kinds first appear, and over the taught and the teacher-free kinds together
+    kinds = list(dict.fromkeys(p.meta["kind"] for p in problems if "kind" in p.meta))
+    if kinds:
+        def of(keep) -> list[Sample]:
+            return [s for p in problems if "kind" in p.meta and keep(p) for s in groups.get(p.id, [])]
+        out["by_kind"] = {k: {"n_samples": len(g), **rates(g, fmt)} for k in kinds
+                          for g in [of(lambda p, k=k: p.meta["kind"] == k)]}
+        out["by_kind_set"] = {name: {"n_samples": len(g), **rates(g, fmt)}
+                              for name, taught in (("taught", True), ("free", False))
+                              for g in [of(lambda p, t=taught: bool(p.meta.get("taught")) is t)] if g}
     return out
 
 

@@ -4,7 +4,8 @@
         [--config CFG] [--set k=v ...] [--ks 1,5,10] [--temperature T] [--seed S] [--samples-out F.jsonl]
 
 M: a built-in name (smollm2-135m-instruct), an HF id or path, or a run directory (its export).
-T: arithmetic[:LEVEL or LO-HI] (held-out seed data.eval_seed unless --seed), gsm8k:PATH, math:PATH, jsonl:PATH,
+T: arithmetic[:LEVEL or LO-HI][@KINDS] (held-out seed data.eval_seed unless --seed; KINDS: kind names or
+   taught, free, all, comma-separated, e.g. arithmetic:1-3@free), gsm8k:PATH, math:PATH, jsonl:PATH,
    code:TASKS (the held-out split of data.source=code, e.g. code:humaneval; accuracy = all tests pass),
    pycode[:LEVEL or LO-HI] (generated function-writing problems, the held-out side of their split).
 Needs the executor service at executor.url; if none answers, a private one is started.
@@ -56,7 +57,8 @@ async def run_eval(cfg: Config, problems: list[Problem], samples_per_problem: in
                 bar.set_postfix(acc=f"{correct[0] / max(1, correct[1]):.3f}")
                 for s in group if dump else ():
                     p = by_id[pid]
-                    dump.write(json.dumps({"id": pid, "level": p.level, "question": p.question, "answer": p.answer,
+                    dump.write(json.dumps({"id": pid, "level": p.level, "kind": p.meta.get("kind"),
+                                           "question": p.question, "answer": p.answer,
                                            "text": s.text, "rewards": s.rewards, "stop_reason": s.stop_reason,
                                            "tool_calls": len(s.tool_calls)}) + "\n")
 
@@ -159,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     for key in ("format_rate", "code_written_rate", "code_executed_rate", "tool_calls_per_answer",
                 "tool_error_rate", "mean_completion_tokens", "wall_s"):
         table.add_row(key, f"{res[key]:.3f}")
+    for name, part in [*res.get("by_kind_set", {}).items(), *res.get("by_kind", {}).items()]:  # arithmetic
+        table.add_row(f"accuracy, {name}", f"{part['accuracy']:.3f} ({part['n_samples']})")
     Console(file=sys.stderr).print(table)
     print(json.dumps({k: res[k] for k in ("accuracy", "pass_at_k", "format_rate", "tool_calls_per_answer")}))
 
