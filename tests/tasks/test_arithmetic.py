@@ -156,8 +156,12 @@ def test_the_stream_draws_the_kinds_named_in_turn():
     assert kinds_of(problem_stream(only, "w0", level=3)) == {"product_minus", "loss"}
     with pytest.raises(DataError, match="unknown arithmetic kind 'gains'"):
         problem_stream(d.model_copy(update={"kinds": ["gains"]}), "w0")
-    with pytest.raises(DataError, match="level 1"):  # a level the curriculum reaches has no kind: said at once
+    with pytest.raises(DataError, match="level 1"):
         problem_stream(DataConfig(level=1, max_level=3, kinds=["gain", "loss"]), "w0")
+    # a level the curriculum could reach later has no kind: said when the stream is made, not at a promotion
+    with pytest.raises(DataError, match="data.kinds at level 3"):
+        problem_stream(DataConfig(level=2, max_level=3, kinds=["gain", "product_plus"]), "w0")
+    assert problem_stream(DataConfig(level=2, max_level=3, kinds=["gain", "product_plus"], mix_levels=True), "w0")
 
 
 def test_heldout_selects_kinds_and_stays_apart_from_training():
