@@ -65,7 +65,8 @@ class GenWorker:
     def stats_dict(self) -> dict:
         d = self.stats.as_dict()
         d.update(worker_id=self.worker_id, policy_version=self.gate.version, inflight_groups=self.producer.inflight,
-                 generating_requests=len(self.gate.segments), interrupted_requests=self.gate.interrupted,
+                 generating_requests=len(getattr(self.agent.engine, "active", ())),
+                 interrupted_requests=self.gate.interrupted,
                  tool_executor_errors=self.agent.tool.errors, level=self.producer.level)
         return d
 
