@@ -81,3 +81,16 @@ def test_summary_breaks_kinds_down_and_the_teacher_free_ones_together():
     assert list(taught_only["by_kind_set"]) == ["taught"]
     plain = [Problem(id=p.id, question=p.question, answer=p.answer) for p in problems[:2]]
     assert "by_kind" not in summarize(plain, {p.id: groups[p.id] for p in plain}, [1])
+
+
+def test_the_run_summary_carries_held_out_accuracy_of_the_taught_and_teacher_free_kinds():
+    from toolrl.learner.report import heldout
+
+    def row(tag, acc, free):
+        sets = {"taught": {"accuracy": acc}, "free": {"accuracy": free}} if free is not None else None
+        return {"tag": tag, "accuracy": acc, "tool_calls_per_answer": 1.0, "format_rate": 1.0, "policy_version": 3,
+                "n_problems": 10, "n_samples": 10, **({"by_kind_set": sets} if sets else {})}
+    out = heldout([row("before", 0.2, 0.1), row("every", 0.5, 0.3), row("after", 0.6, 0.4)])
+    assert (out["heldout_free_accuracy_before"], out["heldout_free_accuracy_after"]) == (0.1, 0.4)
+    assert out["heldout_taught_accuracy_after"] == 0.6 and out["heldout_accuracy_after"] == 0.6
+    assert "heldout_free_accuracy_after" not in heldout([row("after", 0.6, None)])

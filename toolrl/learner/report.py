@@ -43,6 +43,8 @@ def heldout(evals: list[dict]) -> dict:
                         f"heldout_code_executed_rate_{when}": e.get("code_executed_rate"),
                         f"heldout_format_rate_{when}": e["format_rate"],
                         f"heldout_policy_version_{when}": e["policy_version"]})
+            for name, sub in (e.get("by_kind_set") or {}).items():  # taught / teacher-free kinds
+                out[f"heldout_{name}_accuracy_{when}"] = sub["accuracy"]
     if evals:
         out["heldout_problems"] = evals[-1]["n_problems"]
         out["heldout_samples"] = evals[-1]["n_samples"]
