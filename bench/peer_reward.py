@@ -3,10 +3,10 @@
     score(text, answer, weights) -> (components, total)
 
 `text` is the whole completion with the prompt's prefill ("<think>\\n") put back in front, as toolrl's
-gen worker scores it; `answer` is the problem's ground truth. It is a copy of what toolrl scores a
-completion with no tool calls by (toolrl.worker.rewards: `correct` and `format`; toolrl.format:
-the answer extraction and the think/answer layout), with nothing but the standard library and
-math-verify, so the TRL virtualenv scores exactly as the gen worker does without importing toolrl.
+gen worker scores it; `answer` is the problem's ground truth. It scores as toolrl scores a completion with no tool calls
+(toolrl.worker.rewards: `correct` and `format`), with nothing but the standard library, math-verify
+and toolrl/format.py loaded as a single file, so the TRL virtualenv scores exactly as the gen
+worker does without importing the toolrl package.
 tests/test_bench_peer_reward.py checks the two agree on a set of completions.
 
 Where they differ: toolrl runs math-verify in a child process under a timeout (so a pathological
@@ -15,37 +15,18 @@ reward functions in its main thread, where those signal-based timeouts work).
 """
 from __future__ import annotations
 
-import re
+import importlib.util
+from pathlib import Path
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
-_ANSWER = re.compile(re.escape(ANSWER_OPEN) + r"(.*?)" + re.escape(ANSWER_CLOSE), re.S)
-THINK_ANSWER = re.compile(r"^\s*" + re.escape(THINK_OPEN) + ".*?" + re.escape(THINK_CLOSE) + r"\s*"
-                          + re.escape(ANSWER_OPEN) + ".*?" + re.escape(ANSWER_CLOSE) + r"\s*$", re.S)
+# toolrl/format.py (the answer extraction and the think/answer layout) needs only the standard
+# library: load that one file by its path, so the peer scores with the same code without importing
+# the toolrl package (or anything it depends on) into TRL's virtualenv.
+_spec = importlib.util.spec_from_file_location(
+    "toolrl_format", Path(__file__).resolve().parent.parent / "toolrl" / "format.py")
+_format = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_format)
+extract_answer, THINK_ANSWER = _format.extract_answer, _format.THINK_ANSWER
 VERIFY_TIMEOUT_S = 5
-
-
-def last_boxed(text: str) -> str | None:
-    r"""The content of the last \boxed{...} (or \fbox{...}) in `text`, with arbitrary brace nesting."""
-    best = None
-    for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            c = text[i]
-            if c == "\\" and i + 1 < len(text):  # skip escaped braces like \{ \}
-                i += 2
-                continue
-            depth += (c == "{") - (c == "}")
-            i += 1
-        if depth == 0:
-            best = text[m.end(): i - 1]
-    return best.strip() if best is not None else None
-
-
-def extract_answer(text: str) -> str | None:
-    """The last \\boxed{} inside the last <answer> block."""
-    blocks = _ANSWER.findall(text)
-    return last_boxed(blocks[-1]) if blocks else None
 
 
 def _verify(pred: str, gold: str, timeout_s: int = VERIFY_TIMEOUT_S) -> bool:
