@@ -1,6 +1,7 @@
 """The TRL side of bench/e2e_vs_trl.py: GRPOTrainer (transformers generation) on the problems the
 bench wrote, for a wall-clock budget. Runs in the peer's own virtualenv (bench/.venv-trl) and imports
-only torch, transformers, datasets, trl and bench/peer_reward.py (which loads toolrl/format.py as one file), never the toolrl package.
+only torch, transformers, datasets, trl and bench/peer_reward.py (which loads toolrl/format.py as one
+file), never the toolrl package.
 
     bench/.venv-trl/bin/python bench/trl_peer.py --model DIR --problems FILE.jsonl --out DIR --budget-s S
         [--prompts-per-step 4] [--group-size 4] [--max-new-tokens 256] [--temperature 0.8] [--lr 1e-5]
