@@ -15,6 +15,7 @@ import torch
 
 from toolrl.config import Config
 from toolrl.learner.batching import gather_batch
+from toolrl.learner.dist_env import check_shared_dir
 from toolrl.learner.monitor import Monitor
 from toolrl.learner.schedules import TeacherWeight, out_of_time
 from toolrl.learner.trainer import Trainer
@@ -37,7 +38,15 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
         log.info("pinned to cores %s, %d torch threads", cfg.learner.cpu_cores, torch.get_num_threads())
 
     trainer = Trainer(cfg, resolve_model(cfg.model.name))
-    rank0 = trainer.rank == 0
+    rank0 = trainer.rank == 0  # the global rank 0: on node 0, with the reference server and the workers
+    world = trainer.world_size
+    if world > 1:
+        # Ranks on several nodes: every one writes and reads the checkpoints, so all must see one
+        # directory, and all must resume (or none).
+        check_shared_dir(ckpt_dir)
+        if trainer.all_agree(resume) != (not trainer.all_agree(not resume)):
+            raise RuntimeError("--resume was given to some learner ranks but not to others: "
+                               "give it on every node or on none")
     teacher_weight = TeacherWeight(cfg)
     run_state = trainer.load_checkpoint(ckpt_dir) if resume else None
     if run_state is not None:
@@ -48,7 +57,6 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
     sync_dtype = getattr(torch, resolve_dtype(cfg.model.dtype))  # what the workers' engines run
     state = lambda: trainer.export_state(sync_dtype)  # noqa: E731
     monitor = Monitor(cfg, log_dir, trainer.rank)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if rank0 and resume and trainer.step > 0:
         # Workers may hold weights newer than the checkpoint (trained after it, then lost): the
         # resumed policy gets a version above all of them, so nothing mistakes it for older.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 
 from toolrl.config import Config
 from toolrl.learner.batching import micro_batches, split_mini_batches
+from toolrl.learner.dist_env import setup as setup_dist_env
 from toolrl.learner.housekeeping import clear_stale_op_locks, clear_stale_shm_buffers
 from toolrl.learner.schedules import lr_lambda
 from toolrl.grpo import BatchCounts, Role, grpo_loss, sample_roles, sft_loss
@@ -37,6 +37,11 @@ class Trainer:
         import deepspeed  # lazy, as transformers: importing this module (micro-batching, tests) needs neither
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        # Which rank this is, from the launcher's environment (torchrun, srun, deepspeed, or none),
+        # checked and exported for DeepSpeed's env:// rendezvous (toolrl.learner.dist_env).
+        self.dist = setup_dist_env()
+        if self.dist.world_size > 1:
+            print(f"learner {self.dist.describe()}", flush=True)
         self.cfg = cfg
         lc = cfg.learner
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -70,10 +75,11 @@ class Trainer:
         }
         for lock in clear_stale_op_locks():
             print(f"removed a stale DeepSpeed build lock: {lock}", flush=True)
-        if self.rank == 0:
+        if self.dist.local_rank == 0:  # /dev/shm is per node: one rank on each node cleans it
             gone = clear_stale_shm_buffers()
             if gone:
                 print(f"removed {len(gone)} DeepSpeed all-reduce buffers left in /dev/shm by earlier runs", flush=True)
+        deepspeed.init_distributed(auto_mpi_discovery=False)  # env://, as exported above; no MPI guessing
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         self.step = 0
@@ -88,7 +94,8 @@ class Trainer:
 
     @property
     def rank(self) -> int:
-        return int(os.environ.get("RANK", "0"))
+        """The global rank: 0 alone talks to the reference server and the workers, and writes logs."""
+        return self.dist.rank
 
     def all_agree(self, flag: bool) -> bool:
         """True on every rank if it is on any: ranks must stop (or not) together."""
