@@ -29,6 +29,17 @@ from toolrl.worker.client import evaluate_on_worker
 log = logging.getLogger("learner")
 
 
+def whole_batch(batch: list, world: int) -> list:
+    """On rank 0, the step's whole batch (every rank's share, gathered); elsewhere the rank's own.
+    Collective: every rank calls it at the same point of the step."""
+    if world == 1:
+        return batch
+    dist = torch.distributed
+    shares = [None] * world if dist.get_rank() == 0 else None
+    dist.gather_object(batch, shares, dst=0)
+    return [s for share in shares for s in share] if shares else batch
+
+
 def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
     ckpt_dir = run_dir / "checkpoints" if run_dir else Path(cfg.learner.checkpoint_dir)
     log_dir = run_dir / "logs" if run_dir else Path(cfg.logging.log_dir)
@@ -137,15 +148,17 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
             if rank0:
                 synced = sync.push(named, trainer.version)
         t3 = time.time()
-        metrics.update(batch_stats(batch, trainer.version), dynamic_sampling_dropped=got.dropped,
-                       samples_drawn=got.drawn)
+        own = batch_stats(batch, trainer.version)
         # every rank decays the teacher weight by the same accuracy: that of the whole batch
-        teacher_weight.update(trainer.all_mean(metrics["accuracy"], sum(s.source == "policy" for s in batch)))
+        teacher_weight.update(trainer.all_mean(own["accuracy"], sum(s.source == "policy" for s in batch)))
+        whole = whole_batch(batch, world)  # rank 0 logs every rank's samples, not only its own share
+        metrics.update(batch_stats(whole, trainer.version) if rank0 else own, dynamic_sampling_dropped=got.dropped,
+                       samples_drawn=got.drawn)
         if cfg.learner.checkpoint_every and trainer.step % cfg.learner.checkpoint_every == 0:
             checkpoint()
         if rank0 and cfg.logging.dump_samples:
             with open(log_dir / "samples.jsonl", "a") as f:
-                for s in batch:
+                for s in whole:
                     f.write(json.dumps(sample_record(s, step=trainer.step)) + "\n")
         last_step_s = time.time() - t0
         metrics.update(time_wait_s=t1 - t0, time_compute_s=t2 - t1, time_sync_s=t3 - t2, step_time_s=last_step_s,

@@ -154,7 +154,7 @@ class Trainer:
                 self._optimizer_step(mini, roles, sums, done)
         self._old = None
         self.step += 1
-        self.samples_seen += len(samples)
+        self.samples_seen += int(self._all_reduce(len(samples), "sum"))  # every rank's share
         out = self._metrics(sums, samples, roles, done, time.time() - t0)
         out["samples_no_signal"] = done["no_signal"] / max(1, g.updates_per_batch)
         out["truncated_masked"] = masked
