@@ -341,70 +341,138 @@ def test_time_budget_stops_before_a_step_that_would_overrun_it():
 
 RANK_MAIN = """
 import json, os, sys
-sys.path[:0] = ["tests", "tests/learner"]
+from pathlib import Path
+sys.path[:0] = [os.getcwd(), "tests", "tests/learner"]  # the script lies elsewhere: this checkout first
 from safetensors.torch import save_file
 from test_trainer import batch, make_cfg
 from toolrl.models import resolve_model
+from toolrl.learner.dist_env import DistEnvError, check_shared_dir
 from toolrl.learner.trainer import Trainer
 
-rank = int(os.environ["RANK"])
+out = Path(sys.argv[1])
 tr = Trainer(make_cfg("learner.micro_batch_tokens=64", "learner.zero_stage=2"), resolve_model("tiny-random"))
+rank = tr.rank
 sig = lambda: [float(t.double().abs().sum()) for _, t in tr.export_state()]
 before = sig()
-m = [tr.train_step(batch(10 + 10 * s + rank, n_groups=1 if rank == 0 else 3)) for s in range(2)]
+shares = [batch(10 + 10 * s + rank, n_groups=1 if rank == 0 else 3) for s in range(2)]
+m = [tr.train_step(b) for b in shares]
+from toolrl.learner.loop import whole_batch
+whole = whole_batch(shares[-1], tr.world_size)  # what rank 0 logs: every rank's samples
 if rank == 0:
-    save_file(dict(tr.export_state()), sys.argv[1])
+    save_file(dict(tr.export_state()), str(out / "weights.safetensors"))
 acc = 0.25 if rank == 0 else 0.75
-print(json.dumps({"micro": [x["micro_batches"] for x in m], "applied": [x["step_applied"] for x in m],
-                  "before": before, "after": sig(), "mean_acc": tr.all_mean(acc, 4 if rank == 0 else 12)}))
+check_shared_dir(out / "shared")  # one machine: every rank sees it
+try:
+    check_shared_dir(out / f"own{rank}", wait_s=0.5)  # as if each rank had its own disk
+    blind = None
+except DistEnvError as exc:
+    blind = str(exc)
+d = tr.dist
+(out / f"rank{rank}.json").write_text(json.dumps({
+    "micro": [x["micro_batches"] for x in m], "applied": [x["step_applied"] for x in m],
+    "loss": [x["loss"] for x in m], "before": before, "after": sig(),
+    "mean_acc": tr.all_mean(acc, 4 if rank == 0 else 12), "blind": blind, "seen": tr.samples_seen,
+    "whole": sorted({s.group_id for s in whole}),
+    "dist": [d.rank, d.world_size, d.local_rank, d.local_world_size, d.node_rank, d.launcher,
+             os.environ["LOCAL_SIZE"]]}))
 """
 
 
-def test_two_ranks_with_unequal_shares_step_as_one_rank_on_the_whole_batch(tmp_path):
-    """Two learner ranks (DeepSpeed ZeRO-2 over gloo), one with 1 group and one with 3, so their
-    shares differ in samples, tokens and micro-batches: both must finish and apply both steps (ZeRO-2
-    reduces inside every backward, so unequal micro-batch counts are padded), and the weights must be
-    those of one rank stepping on the whole batch: the loss is normalised by the whole batch's counts,
-    not averaged over the ranks' own means. The teacher weight's accuracy is agreed the same way."""
+def launch_ranks(out, nnodes: int) -> dict[int, dict]:
+    """Two learner ranks (DeepSpeed ZeRO-2 over gloo) started the way a cluster starts them: one
+    torchrun with both ranks (nnodes=1), or two torchruns of one rank each with --node_rank 0 and 1
+    meeting at 127.0.0.1 (nnodes=2, two "nodes" on this machine). Each rank's report by rank;
+    rank 0 also writes out/weights.safetensors."""
     import json
     import os
     import subprocess
     import sys
 
-    from safetensors.torch import load_file
+    from procs import ROOT
 
-    port = str(free_port())
+    out.mkdir(parents=True, exist_ok=True)
+    script = out / "rank_main.py"
+    script.write_text(RANK_MAIN)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node",
+                str(2 // nnodes), "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "LOCAL_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
     procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        with open(tmp_path / f"rank{rank}.out", "w") as out, open(tmp_path / f"rank{rank}.log", "w") as err:
-            procs.append(subprocess.Popen([sys.executable, "-c", RANK_MAIN, str(tmp_path / "two.safetensors")],
-                                          env=env, stdout=out, stderr=err))
+    for node in range(nnodes):
+        with open(out / f"node{node}.log", "w") as log:
+            procs.append(subprocess.Popen([*torchrun, "--node_rank", str(node), str(script), str(out)], cwd=ROOT,
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         for p in procs:
-            p.wait(timeout=600)
+            p.wait(timeout=300)
     finally:
         for p in procs:
             p.kill()
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, (tmp_path / f"rank{rank}.log").read_text()[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.out").read_text().strip().splitlines()[-1]) for r in range(2))
+    for node, p in enumerate(procs):
+        assert p.returncode == 0, (out / f"node{node}.log").read_text()[-3000:]
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
+
+
+@pytest.fixture(scope="module")
+def one_node_two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_node")
+    return launch_ranks(out, nnodes=1), out / "weights.safetensors"
+
+
+def test_two_ranks_with_unequal_shares_step_as_one_rank_on_the_whole_batch(one_node_two_ranks):
+    """Two learner ranks on one node, one with 1 group and one with 3, so their shares differ in
+    samples, tokens and micro-batches: both must finish and apply both steps (ZeRO-2 reduces inside
+    every backward, so unequal micro-batch counts are padded), and the weights must be those of one
+    rank stepping on the whole batch: the loss is normalised by the whole batch's counts, not
+    averaged over the ranks' own means. The teacher weight's accuracy is agreed the same way."""
+    from safetensors.torch import load_file
+
+    (r0, r1), weights = one_node_two_ranks[0].values(), one_node_two_ranks[1]
     assert r0["micro"][0] < r1["micro"][0]  # the premise: rank 1 has more micro-batches
     assert r0["applied"] == r1["applied"] == [1.0, 1.0]
     assert r0["before"] == r1["before"] and r0["after"] != r0["before"]
     assert r0["after"] == pytest.approx(r1["after"], rel=1e-6)
     assert r0["mean_acc"] == r1["mean_acc"] == pytest.approx((0.25 * 4 + 0.75 * 12) / 16)
+    assert r0["seen"] == r1["seen"] == 2 * (4 + 12)  # samples trained by all ranks, on every rank
+    assert r0["whole"] == ["g20-0", "g21-0", "g21-1", "g21-2"] and r1["whole"] == ["g21-0", "g21-1", "g21-2"]
 
     one = make_trainer("learner.micro_batch_tokens=64", "learner.zero_stage=2")
     start = dict(one.export_state())
     for s in range(2):
         one.train_step(batch(10 + 10 * s, n_groups=1) + batch(11 + 10 * s, n_groups=3))
-    two = load_file(str(tmp_path / "two.safetensors"))
+    two = load_file(str(weights))
     for n, t1 in one.export_state():
         update = (t1 - start[n]).abs().max().item()
         assert update > 1e-4, n
         assert (t1 - two[n]).abs().max().item() <= 1e-2 * update, n
+
+
+def test_two_nodes_of_one_rank_step_as_one_node_of_two_ranks(one_node_two_ranks, tmp_path):
+    """Learner ranks on several nodes: two torchrun launches of one rank each (--nnodes 2,
+    --node_rank 0 and 1, rendezvous at 127.0.0.1, gloo) take the same two steps on the same shares
+    as one launch of two ranks. Each rank reads its place from torchrun's environment (global rank,
+    node, local rank 0 on its node, and DeepSpeed's LOCAL_SIZE 1, so no shared-memory all-reduce
+    across nodes), and a directory that is not the same for every rank is refused on all of them."""
+    from safetensors.torch import load_file
+
+    single, single_weights = one_node_two_ranks
+    multi = launch_ranks(tmp_path, nnodes=2)
+    # where each rank thinks it is: [rank, world, local rank, ranks on its node, node, launcher, LOCAL_SIZE]
+    assert [single[r]["dist"] for r in range(2)] == [[0, 2, 0, 2, 0, "torchrun", "2"], [1, 2, 1, 2, 0, "torchrun", "2"]]
+    assert [multi[r]["dist"] for r in range(2)] == [[0, 2, 0, 1, 0, "torchrun", "1"], [1, 2, 0, 1, 1, "torchrun", "1"]]
+    for r in range(2):
+        assert multi[r]["micro"] == single[r]["micro"] and multi[r]["applied"] == [1.0, 1.0]
+        assert multi[r]["loss"] == pytest.approx(single[r]["loss"], rel=1e-6, abs=1e-9)
+        assert multi[r]["after"] == pytest.approx(single[r]["after"], rel=1e-6)
+        assert multi[r]["mean_acc"] == single[r]["mean_acc"]
+        assert "is not shared: rank 1 on" in multi[r]["blind"]  # rank 1 cannot see rank 0's file
+    a, b = load_file(str(single_weights)), load_file(str(tmp_path / "weights.safetensors"))
+    assert a.keys() == b.keys()
+    start = dict(make_trainer().export_state())
+    for n in a:
+        assert (a[n] - start[n]).abs().max().item() > 1e-4, n  # it trained...
+        assert torch.allclose(a[n], b[n], rtol=0, atol=1e-6), n  # ...to the same weights
 
 
 def test_zero3_steps_as_zero2_does_and_exports_whole_weights():
