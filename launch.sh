@@ -3,7 +3,16 @@
 #
 #   ./launch.sh --config configs/cpu_demo.yaml [--workers N] [--run-dir DIR] [--set k=v ...]
 #               [--ref-gpu 0] [--worker-gpus 1,2,3] [--learner-gpus 4,5,6,7] [--share-gpus]
-#               [--resume] [--dry-run]
+#               [--nnodes N --node-rank R --master-addr NODE0 [--master-port P]] [--resume] [--dry-run]
+#
+# Learner ranks on several nodes: run launch.sh on each learner node with the same config, the
+# same --run-dir on a filesystem they all mount at the same path (checkpoints, tokens.env), and
+# --nnodes N --node-rank R --master-addr NODE0 (node 0's address, which every node must reach on
+# --master-port, default ref_server.port + 1000, and on ref_server.port). Node rank 0 runs the whole
+# system and its learner ranks; node rank R > 0 runs only its learner ranks (log
+# RUN_DIR/logs/learner_nodeR.log), with node 0's reference server and tokens. The learner ranks of
+# every node start under torchrun (--nnodes/--node_rank/--master_addr: no hostfile, no ssh); one
+# rank per learner GPU, or one on a CPU. Without --nnodes, the learner runs under deepspeed as before.
 #
 # GPU placement comes from the config's `launch` section; the flags override it. Once any GPU is
 # placed, a process given none runs on the CPU; with none placed, every process keeps the GPUs this
@@ -28,6 +37,10 @@ RUN_DIR=""
 RESUME=""
 DRY_RUN=""
 SETS=()
+NNODES=1
+NODE_RANK=0
+MASTER_ADDR_ARG=""
+MASTER_PORT_ARG=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --config) CONFIG=$2; shift 2 ;;
@@ -38,13 +51,36 @@ while [ $# -gt 0 ]; do
     --worker-gpus) SETS+=(--set "launch.worker_gpus=$2"); shift 2 ;;
     --learner-gpus) SETS+=(--set "launch.learner_gpus=$2"); shift 2 ;;
     --share-gpus) SETS+=(--set "launch.share_gpus=true"); shift ;;
+    --nnodes) NNODES=$2; shift 2 ;;
+    --node-rank) NODE_RANK=$2; shift 2 ;;
+    --master-addr) MASTER_ADDR_ARG=$2; shift 2 ;;
+    --master-port) MASTER_PORT_ARG=$2; shift 2 ;;
     --resume) RESUME=--resume; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;  # the header comment
     *) echo "launch.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
+fail() { echo "launch.sh: $*" >&2; exit 2; }
+[[ $NNODES =~ ^[1-9][0-9]*$ ]] || fail "--nnodes '$NNODES': expected a number of learner nodes, 1 or more"
+[[ $NODE_RANK =~ ^[0-9]+$ ]] && [ "$NODE_RANK" -lt "$NNODES" ] \
+  || fail "--node-rank '$NODE_RANK': expected 0 to $((NNODES - 1)) with --nnodes $NNODES"
+if [ -n "$MASTER_PORT_ARG" ] && ! { [[ $MASTER_PORT_ARG =~ ^[1-9][0-9]{0,4}$ ]] && [ "$MASTER_PORT_ARG" -lt 65536 ]; }; then
+  fail "--master-port '$MASTER_PORT_ARG': expected a port number"
+fi
+if [ "$NNODES" -gt 1 ]; then
+  [ -n "$MASTER_ADDR_ARG" ] || fail "--nnodes $NNODES needs --master-addr: node 0's address, which every learner node reaches"
+  # Every node's ranks write and read the checkpoints there, and node R reads node 0's tokens.env.
+  [ -n "$RUN_DIR" ] || fail "--nnodes $NNODES needs --run-dir, the same on every node: a directory they all mount at the same path"
+elif [ -n "$MASTER_ADDR_ARG$MASTER_PORT_ARG" ]; then
+  fail "--master-addr and --master-port are for learner ranks on several nodes (--nnodes 2 or more)"
+fi
 RUN_DIR=${RUN_DIR:-runs/$(date +%Y%m%d-%H%M%S)}
+if [ "$NODE_RANK" -gt 0 ]; then
+  # Only the learner runs here: the config's placement of the reference model and the workers is
+  # node 0's. Its learner_gpus (or --learner-gpus) are this node's.
+  SETS+=(--set "launch.ref_gpu=null" --set "launch.worker_gpus=")
+fi
 
 # Validate the whole config (a bad key or placement exits here with one line) and read the
 # values this script needs, one per line.
@@ -60,9 +96,14 @@ REF_GPU=${V[4]}; WORKER_GPUS=${V[5]}; LEARNER_GPUS=${V[6]}; MODEL=${V[7]}
 # (which `ps` shows every user), and are kept in RUN_DIR/tokens.env (mode 0600) for workers that
 # join from elsewhere (`set -a; . RUN_DIR/tokens.env; set +a` before starting them).
 new_token() { "$PY" -c "import secrets; print(secrets.token_urlsafe(24))"; }
-export TOOLRL_EXECUTOR_TOKEN=${V[8]:-$(new_token)}
-export TOOLRL_REF_SERVER_TOKEN=${V[9]:-$(new_token)}
-export TOOLRL_ROLLOUT_TOKEN=${V[10]:-$(new_token)}
+if [ "$NODE_RANK" = 0 ]; then
+  export TOOLRL_EXECUTOR_TOKEN=${V[8]:-$(new_token)}
+  export TOOLRL_REF_SERVER_TOKEN=${V[9]:-$(new_token)}
+  export TOOLRL_ROLLOUT_TOKEN=${V[10]:-$(new_token)}
+else  # node 0's tokens: given (config or environment), or read from its RUN_DIR/tokens.env below
+  TOKENS_GIVEN=${V[9]}
+  export TOOLRL_EXECUTOR_TOKEN=${V[8]} TOOLRL_REF_SERVER_TOKEN=${V[9]} TOOLRL_ROLLOUT_TOKEN=${V[10]}
+fi
 # GPU ids count within what this node gives us: if CUDA_VISIBLE_DEVICES is already set (a batch
 # scheduler's allocation), id i is its i-th entry; every id named must exist.
 OUTER=${CUDA_VISIBLE_DEVICES-}; OUTER=${OUTER// /}; OUTER_SET=${CUDA_VISIBLE_DEVICES+1}  # set but empty: no GPU
@@ -87,7 +128,7 @@ if [ -n "$REF_GPU$WORKER_GPUS$LEARNER_GPUS" ]; then
   if [ -n "$OUTER_SET" ]; then
     physical() { local out=() g; for g in ${1//,/ }; do out+=("${OUTER_IDS[$g]}"); done; (IFS=,; echo "${out[*]}"); }
     REF_GPU=$(physical "$REF_GPU"); WORKER_GPUS=$(physical "$WORKER_GPUS"); LEARNER_GPUS=$(physical "$LEARNER_GPUS")
-    if [ -n "$LEARNER_GPUS" ] && ! [[ $LEARNER_GPUS =~ ^[0-9,]+$ ]]; then
+    if [ -n "$LEARNER_GPUS" ] && [ "$NNODES" = 1 ] && ! [[ $LEARNER_GPUS =~ ^[0-9,]+$ ]]; then  # torchrun: any ids
       echo "launch.sh: deepspeed --include needs GPU indices, but CUDA_VISIBLE_DEVICES=$OUTER names GPUs otherwise" >&2
       exit 2
     fi
@@ -96,12 +137,34 @@ fi
 if [ -z "$DRY_RUN" ]; then
   mkdir -p "$RUN_DIR/logs"
   RUN_DIR=$(cd "$RUN_DIR" && pwd)
-  "$PY" config.py --config "$CONFIG" "${SETS[@]}" --print > "$RUN_DIR/config.yaml"  # tokens shown as ***
-  (umask 077; printf 'TOOLRL_EXECUTOR_TOKEN=%s\nTOOLRL_REF_SERVER_TOKEN=%s\nTOOLRL_ROLLOUT_TOKEN=%s\n' \
-    "$TOOLRL_EXECUTOR_TOKEN" "$TOOLRL_REF_SERVER_TOKEN" "$TOOLRL_ROLLOUT_TOKEN" > "$RUN_DIR/tokens.env")
+  if [ "$NODE_RANK" = 0 ]; then  # node R shares this directory: node 0 alone writes these
+    "$PY" config.py --config "$CONFIG" "${SETS[@]}" --print > "$RUN_DIR/config.yaml"  # tokens shown as ***
+    (umask 077; printf 'TOOLRL_EXECUTOR_TOKEN=%s\nTOOLRL_REF_SERVER_TOKEN=%s\nTOOLRL_ROLLOUT_TOKEN=%s\n' \
+      "$TOOLRL_EXECUTOR_TOKEN" "$TOOLRL_REF_SERVER_TOKEN" "$TOOLRL_ROLLOUT_TOKEN" > "$RUN_DIR/tokens.env")
+  fi
 fi
-SETS+=(--set "executor.url=http://127.0.0.1:$EX_PORT" --set "ref_server.url=http://127.0.0.1:$REF_PORT")
+HEAD=127.0.0.1  # where this node reaches the executor and the reference server: here, or node 0
+[ "$NODE_RANK" = 0 ] || HEAD=$MASTER_ADDR_ARG
+SETS+=(--set "executor.url=http://$HEAD:$EX_PORT" --set "ref_server.url=http://$HEAD:$REF_PORT")
 COMMON=(--config "$CONFIG" "${SETS[@]}")
+MASTER_PORT=${MASTER_PORT_ARG:-$((REF_PORT + 1000))}
+# The learner's command: deepspeed on one node; torchrun on several (static rendezvous at node 0's
+# --master-addr: every node runs the same command with its own --node_rank, no hostfile, no ssh).
+# LEARNER_AT: the learner's GPUs for start() below.
+if [ "$NNODES" -gt 1 ]; then  # one rank per learner GPU (it sees only those), or one on a CPU
+  IFS=, read -r -a LGPU <<< "$LEARNER_GPUS"
+  LEARNER_AT=$LEARNER_GPUS
+  LEARNER_CMD=("$(dirname "$PY")/torchrun" --nnodes "$NNODES" --node_rank "$NODE_RANK"
+               --nproc_per_node "$(( ${#LGPU[@]} > 0 ? ${#LGPU[@]} : 1 ))" --master_addr "$MASTER_ADDR_ARG"
+               --master_port "$MASTER_PORT" --rdzv_conf timeout=1800)  # nodes may start many minutes apart
+elif [ -n "$LEARNER_GPUS" ]; then  # deepspeed sets each rank's device itself
+  LEARNER_AT=launcher
+  LEARNER_CMD=("$(dirname "$PY")/deepspeed" --include "localhost:$LEARNER_GPUS" --master_port "$MASTER_PORT")
+else  # CPU: one rank on DeepSpeed's CPU accelerator
+  LEARNER_AT=""
+  LEARNER_CMD=("$(dirname "$PY")/deepspeed" --num_gpus 1 --master_port "$MASTER_PORT")
+fi
+LEARNER_CMD+=(learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME)
 
 declare -A PIDS=()
 declare -A REPORTED=()
@@ -155,15 +218,56 @@ sys.exit(httpx.get('$url', timeout=2, headers={'Authorization': f'Bearer {t}'} i
   echo "  $name ready ($url)"
 }
 
+wait_head() {  # wait_head URL: node R waits for node 0's reference server to take the run's token
+  [ -n "$DRY_RUN" ] && return 0
+  local url=$1 deadline=$(( $(date +%s) + 1800 )) tokens=$RUN_DIR/tokens.env
+  echo "waiting for node 0's reference server at $url"
+  # tokens.env is re-read at every try: one left from an earlier run is replaced when node 0 starts.
+  until { [ -n "$TOKENS_GIVEN" ] || { [ -f "$tokens" ] && set -a && . "$tokens" && set +a; }; } &&
+      "$PY" -c "import httpx, os, sys; t = os.environ.get('TOOLRL_REF_SERVER_TOKEN')
+sys.exit(httpx.get('$url/stats', timeout=5, headers={'Authorization': f'Bearer {t}'} if t else {}).status_code != 200)" 2>/dev/null; do
+    if [ "$(date +%s)" -gt $deadline ]; then
+      if [ -z "$TOKENS_GIVEN" ] && [ ! -f "$tokens" ]; then
+        echo "launch.sh: no $tokens after 1800 s: --run-dir must be node 0's run directory, on a filesystem both nodes mount at the same path" >&2
+      else
+        echo "launch.sh: node 0's reference server did not answer at $url with the run's token in 1800 s" >&2
+      fi
+      exit 1
+    fi
+    sleep 2
+  done
+  echo "  node 0's reference server ready ($url)"
+}
+
+ON_NODE=""
+[ "$NNODES" -gt 1 ] && ON_NODE=" on learner node $NODE_RANK of $NNODES"
 if [ -n "$DRY_RUN" ]; then
-  echo "dry run: where each process would run (nothing is started; run directory $RUN_DIR)"
+  echo "dry run: where each process would run$ON_NODE (nothing is started; run directory $RUN_DIR)"
 else
-  echo "run directory: $RUN_DIR"
-  "$PY" -m toolrl.models --model "$MODEL" --path-only > "$RUN_DIR/logs/model.log" 2>&1 \
-    || { echo "launch.sh: model preparation failed:" >&2; tail -n 20 "$RUN_DIR/logs/model.log" >&2; exit 1; }
+  echo "run directory: $RUN_DIR$ON_NODE"
+  MODEL_LOG=$RUN_DIR/logs/model.log
+  [ "$NODE_RANK" = 0 ] || MODEL_LOG=$RUN_DIR/logs/model_node$NODE_RANK.log
+  "$PY" -m toolrl.models --model "$MODEL" --path-only > "$MODEL_LOG" 2>&1 \
+    || { echo "launch.sh: model preparation failed:" >&2; tail -n 20 "$MODEL_LOG" >&2; exit 1; }
+fi
+if [ "$NODE_RANK" -gt 0 ]; then  # learner node R: its learner ranks only; node 0 runs the rest and reports
+  NAME=learner_node$NODE_RANK
+  wait_head "http://$HEAD:$REF_PORT"
+  start "$NAME" "$LEARNER_AT" "${LEARNER_CMD[@]}"
+  [ -n "$DRY_RUN" ] && exit 0
+  echo "learner ranks of node $NODE_RANK started: $RUN_DIR/logs/$NAME.log (progress: node 0's learner.log)"
+  set +e
+  wait "${PIDS[$NAME]}"; RC=$?
+  set -e
+  [ "$RC" = 0 ] || { echo "launch.sh: learner ranks of node $NODE_RANK failed (exit $RC); last lines:" >&2
+                     tail -n 30 "$RUN_DIR/logs/$NAME.log" >&2; exit 1; }
+  echo "learner ranks of node $NODE_RANK done"
+  exit 0
 fi
 start executor "" "$PY" executor_service.py "${COMMON[@]}" --port "$EX_PORT"
-start ref_server "$REF_GPU" "$PY" ref_server.py "${COMMON[@]}" --port "$REF_PORT"
+REF_HOST=()
+[ "$NNODES" -gt 1 ] && REF_HOST=(--host 0.0.0.0)  # the other learner nodes pull their batches from it
+start ref_server "$REF_GPU" "$PY" ref_server.py "${COMMON[@]}" "${REF_HOST[@]}" --port "$REF_PORT"
 wait_health executor "http://127.0.0.1:$EX_PORT/health" 120 TOOLRL_EXECUTOR_TOKEN
 wait_health ref_server "http://127.0.0.1:$REF_PORT/health" 600
 IFS=, read -r -a WGPU <<< "$WORKER_GPUS"
@@ -177,13 +281,7 @@ for i in $(seq 0 $((WORKERS - 1))); do
 done
 # The learner starts while the workers load their engines (its imports and DeepSpeed set-up take
 # minutes on a small CPU); it waits for a registered worker before its first evaluation or batch.
-if [ -n "$LEARNER_GPUS" ]; then  # deepspeed sets each rank's device itself
-  start learner launcher "$(dirname "$PY")/deepspeed" --include "localhost:$LEARNER_GPUS" --master_port $((REF_PORT + 1000)) \
-    learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME
-else  # CPU: one rank on DeepSpeed's CPU accelerator
-  start learner "" "$(dirname "$PY")/deepspeed" --num_gpus 1 --master_port $((REF_PORT + 1000)) \
-    learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME
-fi
+start learner "$LEARNER_AT" "${LEARNER_CMD[@]}"
 [ -n "$DRY_RUN" ] && exit 0
 for i in $(seq 0 $((WORKERS - 1))); do wait_health "gen_worker_$i" "http://127.0.0.1:$((W_PORT + i))/health" 900; done
 

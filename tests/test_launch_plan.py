@@ -155,3 +155,50 @@ def test_ids_count_within_an_allocation(tmp_path):
     out = launch("--config", GPU8, "--ref-gpu", "0", "--worker-gpus", "1", "--learner-gpus", "1", "--share-gpus",
                  "--dry-run", visible="GPU-aa,GPU-bb")
     assert out.returncode == 2 and "deepspeed --include needs GPU indices" in out.stderr
+
+
+def test_learner_ranks_on_several_nodes(tmp_path):
+    """--nnodes 2: node 0 runs the whole system with its learner ranks under torchrun, its reference
+    server listening beyond loopback; node 1 runs only its learner ranks, the same torchrun with
+    --node_rank 1, pointed at node 0's reference server, with ref/worker GPUs left to node 0."""
+    shared = str(tmp_path / "run")  # plan() passes it as --run-dir (on a shared filesystem, for real)
+    multi = ["--nnodes", "2", "--master-addr", "10.0.0.1"]
+    p0 = plan(*multi, "--node-rank", "0", tmp_path=tmp_path)
+    assert set(p0) == {"executor", "ref_server", "gen_worker_0", "learner"}
+    ref = p0["ref_server"][1].split()
+    assert ref[ref.index("--host") + 1] == "0.0.0.0"  # node 1's ranks pull their batches from it
+    torchrun = ["--nnodes 2", "--nproc_per_node 1", "--master_addr 10.0.0.1", "--master_port 9200"]
+    learner0 = p0["learner"][1]
+    assert "/torchrun " in learner0 and "deepspeed" not in learner0 and "--node_rank 0" in learner0
+    assert all(t in learner0 for t in torchrun) and f"--run-dir {shared}" in learner0
+    assert "ref_server.url=http://127.0.0.1:8200" in learner0
+    p1 = plan(*multi, "--node-rank", "1", "--master-port", "9999", tmp_path=tmp_path)
+    assert list(p1) == ["learner_node1"]  # its log: RUN_DIR/logs/learner_node1.log
+    gpus, learner1 = p1["learner_node1"]
+    assert gpus is None and "--node_rank 1" in learner1 and "--master_port 9999" in learner1
+    assert "ref_server.url=http://10.0.0.1:8200" in learner1 and f"--run-dir {shared}" in learner1
+    assert learner1.split("learner.py")[0].replace("--node_rank 1", "--node_rank 0").replace("9999", "9200") == \
+        learner0.split("learner.py")[0]  # the same torchrun on both nodes, but for the node rank
+    # GPUs: one rank per learner GPU, which torchrun's ranks see as their only GPUs; node 1 lends
+    # none of its GPUs to a reference model or workers (node 0 runs those), so all 8 can learn
+    p0 = plan("--config", GPU8, *multi, tmp_path=tmp_path)
+    assert p0["learner"][0] == "4,5,6,7" and "--nproc_per_node 4" in p0["learner"][1]
+    assert (p0["ref_server"][0], p0["gen_worker_0"][0]) == ("0", "1")
+    p1 = plan("--config", GPU8, *multi, "--node-rank", "1", "--learner-gpus", "0,1,2,3,4,5,6,7", tmp_path=tmp_path)
+    assert p1["learner_node1"][0] == "0,1,2,3,4,5,6,7" and "--nproc_per_node 8" in p1["learner_node1"][1]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--nnodes", "2", "--run-dir", "/shared/run"], "--nnodes 2 needs --master-addr"),
+    (["--nnodes", "2", "--master-addr", "n0"], "--nnodes 2 needs --run-dir, the same on every node"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "n0", "--run-dir", "/r"],
+     "--node-rank '2': expected 0 to 1"),
+    (["--nnodes", "0"], "--nnodes '0': expected a number of learner nodes"),
+    (["--master-addr", "n0"], "--master-addr and --master-port are for learner ranks on several nodes"),
+    (["--nnodes", "2", "--master-addr", "n0", "--run-dir", "/r", "--master-port", "65536"], "--master-port '65536'"),
+])
+def test_bad_multi_node_flags_are_one_clear_error(args, needle):
+    out = launch(*args, "--dry-run")
+    assert out.returncode == 2, out.stdout
+    assert needle in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stdout == ""
