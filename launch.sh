@@ -203,6 +203,11 @@ start() {  # start NAME GPUS CMD...: its own session (process group), log file a
   PIDS[$name]=$!
 }
 
+learner_tail() {  # learner_tail LOG: its last lines, then the ranks' errors (torchrun's report buries them)
+  tail -n 30 "$1" >&2
+  grep -E '(Error|Exception): ' "$1" | grep -v ChildFailedError | tail -n 3 | sed 's/^/  error: /' >&2 || true
+}
+
 wait_health() {  # wait_health NAME URL TIMEOUT_S [TOKEN_ENV_VAR]: the executor's /health takes its token
   [ -n "$DRY_RUN" ] && return 0
   local name=$1 url=$2 deadline=$(( $(date +%s) + $3 )) var=${4:-}
@@ -211,6 +216,12 @@ sys.exit(httpx.get('$url', timeout=2, headers={'Authorization': f'Bearer {t}'} i
     if ! kill -0 "${PIDS[$name]}" 2>/dev/null; then
       echo "launch.sh: $name died while starting; last lines of $RUN_DIR/logs/$name.log:" >&2
       tail -n 30 "$RUN_DIR/logs/$name.log" >&2; exit 1
+    fi
+    # the learner starts while the workers load: a learner that fails at once (another learner
+    # node refused, a bad checkpoint) stops the run now, not after the workers' long start
+    if [ -n "${PIDS[learner]:-}" ] && ! kill -0 "${PIDS[learner]}" 2>/dev/null; then
+      echo "launch.sh: the learner died while $name was starting; last lines of $RUN_DIR/logs/learner.log:" >&2
+      learner_tail "$RUN_DIR/logs/learner.log"; exit 1
     fi
     if [ "$(date +%s)" -gt $deadline ]; then echo "launch.sh: $name not healthy at $url after $3 s" >&2; exit 1; fi
     sleep 1
@@ -260,7 +271,7 @@ if [ "$NODE_RANK" -gt 0 ]; then  # learner node R: its learner ranks only; node 
   wait "${PIDS[$NAME]}"; RC=$?
   set -e
   [ "$RC" = 0 ] || { echo "launch.sh: learner ranks of node $NODE_RANK failed (exit $RC); last lines:" >&2
-                     tail -n 30 "$RUN_DIR/logs/$NAME.log" >&2; exit 1; }
+                     learner_tail "$RUN_DIR/logs/$NAME.log"; exit 1; }
   echo "learner ranks of node $NODE_RANK done"
   exit 0
 fi
@@ -329,7 +340,7 @@ set +e
 wait "${PIDS[learner]}"; RC=$?
 set -e
 progress
-[ "$RC" = 0 ] || { echo "launch.sh: learner failed (exit $RC); last lines:" >&2; tail -n 30 "$RUN_DIR/logs/learner.log" >&2; exit 1; }
+[ "$RC" = 0 ] || { echo "launch.sh: learner failed (exit $RC); last lines:" >&2; learner_tail "$RUN_DIR/logs/learner.log"; exit 1; }
 echo "training done; checking every worker against the final policy and writing the report"
 "$PY" -m toolrl.learner.report "$RUN_DIR" "${COMMON[@]}" --wall-s $(( $(date +%s) - STARTED_AT )) | tee "$RUN_DIR/logs/summary.log"
 echo "summary: $RUN_DIR/summary.json   curves: $RUN_DIR/curves.png"
