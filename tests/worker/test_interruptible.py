@@ -201,7 +201,7 @@ def test_samples_take_their_oldest_tokens_version_and_keep_the_runs(tool):
         rolls = []
         for runs in ([(0, 3)], [(0, 2), (4, 3)], []):
             r = Rollout(prompt_ids=[1, 2])
-            for start, (_, v) in zip([0, *[s for s, _ in runs[1:]]], runs):
+            for _, v in runs:  # 4 tokens a run
                 r.add("model", [5] * 4, [-0.1] * 4, v)
             rolls.append(r)
         samples = worker.agent.score(problem, rolls, "g", 3)

@@ -171,7 +171,8 @@ def test_problems_are_humaneval_shaped():
         for test in doctest.DocTestFinder().find(ns[inst.name], inst.name, globs=ns):
             runner.run(test)
         assert runner.summarize(verbose=False) == (0, 2), t.__name__
-        examples = [line.split(">>> ", 1)[1].split("(", 1)[1] for line in spec.code_prompt.splitlines() if ">>>" in line]
+        examples = [line.split(">>> ", 1)[1].split("(", 1)[1]
+                    for line in spec.code_prompt.splitlines() if ">>>" in line]
         assert not [e for e in examples for test in spec.tests if f"candidate({e} ==" in test]
 
 
