@@ -211,3 +211,16 @@ def test_samples_take_their_oldest_tokens_version_and_keep_the_runs(tool):
     finally:
         worker.gate.assembler.close()
         asyncio.run(worker.agent.executor.aclose())
+
+
+def test_an_empty_segment_under_a_new_version_records_no_run():
+    """An engine answer with no tokens (an abort before the first) must not open a run: a run
+    starting at the end of the completion would make the sample invalid."""
+    from toolrl.worker.rollout import Rollout
+
+    r = Rollout(prompt_ids=[1])
+    r.add("model", [5, 6], [-0.1, -0.1], 0)
+    r.add("model", [], [], 1)
+    assert r.version_runs == [(0, 0)]
+    Sample(prompt_ids=[1], completion_ids=r.completion_ids, loss_mask=r.loss_mask, logprobs=r.logprobs,
+           group_id="g", policy_version=0, version_runs=r.version_runs)

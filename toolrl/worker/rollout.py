@@ -69,9 +69,9 @@ class Rollout:
 
     def add(self, kind: str, ids: list[int], logprobs: list[float] | None, version: int | None = None) -> None:
         """Append a segment; `version`: the policy that generated a model segment (tool output
-        takes the current one)."""
+        takes the current one; an empty segment records nothing, so runs always hold tokens)."""
         start = len(self.completion_ids)
-        if version is not None and (not self.version_runs or self.version_runs[-1][1] != version):
+        if version is not None and ids and (not self.version_runs or self.version_runs[-1][1] != version):
             self.version_runs.append((0 if not self.version_runs else start, version))
         self.completion_ids += ids
         if kind == "model":
