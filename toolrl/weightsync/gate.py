@@ -148,13 +148,15 @@ class WeightGate:
     # -- the swap -------------------------------------------------------------------------------
     async def _interrupt(self) -> int:
         """Abort every interruptible request in flight and wait until each has left its segment
-        (the engine answers an abort with the tokens so far). Aborts are repeated: a request that
-        entered its segment but had not reached the engine yet is missed by the first."""
-        cut = list(self.segments.values())
-        for seg in cut:
-            seg.interrupted = True
+        (the engine answers an abort with the tokens so far). Aborts are repeated, and each round
+        marks what is in flight then: a request that had not reached the engine yet is missed by the
+        first, and one whose wait on the gate ended just before it closed enters its segment late."""
+        cut: set[str] = set()
         deadline = time.time() + self.drain_timeout_s
         while self.segments:
+            for seg in self.segments.values():
+                seg.interrupted = True
+            cut.update(self.segments)
             await self.engine.abort(list(self.segments))
             try:
                 await asyncio.wait_for(self._no_segments.wait(), 0.25)
