@@ -55,7 +55,8 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
         # Ranks on several nodes: every one writes and reads the checkpoints, so all must see one
         # directory, and all must resume (or none).
         check_shared_dir(ckpt_dir)
-        if trainer.all_agree(resume) != (not trainer.all_agree(not resume)):
+        # all_agree is true on every rank if it holds on any: here, some ranks resume and some do not
+        if trainer.all_agree(resume) and trainer.all_agree(not resume):
             raise RuntimeError("--resume was given to some learner ranks but not to others: "
                                "give it on every node or on none")
     teacher_weight = TeacherWeight(cfg)
