@@ -60,3 +60,37 @@ def test_with_a_registry_token_every_registered_worker_is_trusted():
     s, t = sync("ref_server.token=reg-secret")
     s.push([], 1)
     assert sorted(t.sent) == ["local", "named", "other-node"]
+
+
+def test_the_end_of_run_probe_sends_the_rollout_token_to_trusted_workers_only(tmp_path):
+    """launch.sh's report probes every registered worker with the rollout token: an open registry's
+    worker on a host nobody trusted is listed, not asked (127.0.0.2 is reachable, but not trusted)."""
+    import http.server
+    import threading
+
+    from toolrl.learner.report import probe_workers
+    from toolrl.net import free_port
+
+    seen = []
+
+    class Capture(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(500)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.2", port), Capture)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "rollout.token=secret"])
+        rows = probe_workers(cfg, [{"id": "squatter", "url": f"http://127.0.0.2:{port}", "policy_version": 3}],
+                             tmp_path / "export")
+    finally:
+        server.shutdown()
+    assert seen == []
+    assert [(r["id"], r["policy_version"]) for r in rows] == [("squatter", 3)]
+    assert "untrusted" in rows[0]["probe_skipped"]

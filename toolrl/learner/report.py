@@ -52,10 +52,20 @@ def heldout(evals: list[dict]) -> dict:
 
 
 def probe_workers(cfg, workers: list[dict], export_dir: Path) -> list[dict]:
-    """Each worker's probe logprobs vs the exported policy (and vs the base model)."""
-    import torch  # lazy, as transformers below: the report's other parts need neither
+    """Each worker's probe logprobs vs the exported policy (and vs the base model). The probe
+    carries the rollout token, so only workers the learner trusts with its weights are asked
+    (toolrl.weightsync.pusher.trusted_workers); the others are listed with `probe_skipped`."""
+    import torch  # lazy, as transformers and the pusher below: the report's other parts need none
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from toolrl.weightsync.pusher import trusted_workers
+
+    workers, refused = trusted_workers(cfg, workers)
+    skipped = [{"id": w["id"], "policy_version": int(w.get("policy_version", 0)), "url": w["url"],
+                "probe_skipped": "untrusted host: the reference server takes registrations without a token "
+                                 "and the host is not in rollout.trusted_hosts"} for w in refused]
+    if not workers:
+        return skipped
     tok = AutoTokenizer.from_pretrained(export_dir)
     prompt = tok.encode(PROBE_TEXT)
     models = {"export": AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval(),
@@ -77,7 +87,7 @@ def probe_workers(cfg, workers: list[dict], export_dir: Path) -> list[dict]:
         except Exception as exc:  # a dead worker is reported, not fatal to the report
             row["probe_error"] = f"{type(exc).__name__}: {exc}"
         out.append(row)
-    return out
+    return out + skipped
 
 
 def plot(metrics: list[dict], path: Path, evals: list[dict] = ()) -> None:

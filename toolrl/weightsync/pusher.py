@@ -22,6 +22,18 @@ log = logging.getLogger("learner")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
+def trusted_workers(cfg: Config, workers: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(trusted, refused): the workers anything of the learner's side may send weights or the
+    rollout token to. With a reference-server token only its holders can register, so every
+    registered worker is trusted; without one anyone who reaches the reference server could
+    register any URL, so only loopback and rollout.trusted_hosts are."""
+    if cfg.ref_server.token:
+        return list(workers), []
+    allowed = LOOPBACK | set(cfg.rollout.trusted_hosts)
+    ok = [w for w in workers if urlsplit(w["url"]).hostname in allowed]
+    return ok, [w for w in workers if w not in ok]
+
+
 def make_transport(cfg: Config) -> Transport:
     lc = cfg.learner
     if lc.sync_transport == "process_group":
@@ -54,16 +66,11 @@ class WeightSync:
         raise err  # type: ignore[misc]
 
     def trusted(self, workers: list[dict]) -> list[dict]:
-        """The workers the learner may send weights and the rollout token to. With a reference-server
-        token only its holders can register, so every registered worker is; without one anyone who
-        reaches the reference server could register any URL, so only loopback and rollout.trusted_hosts
-        are (the rest are logged once and left out)."""
-        if self.cfg.ref_server.token:
-            return workers
-        allowed = LOOPBACK | set(self.cfg.rollout.trusted_hosts)
-        ok = [w for w in workers if urlsplit(w["url"]).hostname in allowed]
-        for w in workers:
-            if w not in ok and w["url"] not in self.refused:
+        """The workers the learner may send weights and the rollout token to (`trusted_workers`);
+        the rest are logged once each and left out."""
+        ok, refused = trusted_workers(self.cfg, workers)
+        for w in refused:
+            if w["url"] not in self.refused:
                 self.refused.add(w["url"])
                 log.error("not sending weights to worker %s at %s: the reference server takes registrations "
                           "without a token, and that host is not in rollout.trusted_hosts", w["id"], w["url"])
