@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -149,6 +151,28 @@ def test_writing_on_the_result_channel_loses_the_session(c):
     assert r.session_reset and "NameError" in r.stderr
     other = sid("flood-other")
     assert c.execute("print(2)", session_id=other).stdout == "2\n"
+
+
+def test_a_one_shot_run_can_neither_flood_nor_oversize_its_result_channel(ex, c):
+    """Past MAX_REPORTS frames the fork server stops reading a run's result channel: the flood's
+    writes stall once the pipe is full (instead of costing the fork server a read per frame, which
+    slowed every other run), its result comes from the kernel, and a run beside it is served."""
+    flood = FORGE + "for _ in range(200_000):\n    os.write(3, struct.pack('>I', 2) + b'{}')\nprint('flooded')"
+    with ExecutorClient(ex.url, timeout_s=60) as other:
+        with ThreadPoolExecutor(1) as pool:
+            f = pool.submit(c.execute, flood, timeout_s=2)
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            beside = other.execute("print('beside')")
+            beside_s = time.monotonic() - t0
+            r = f.result()
+    assert (beside.status, beside.stdout) == ("ok", "beside\n") and beside_s < 1.0
+    assert r.status == "timeout" and "flooded" not in r.stdout and math.isfinite(r.cpu_ms), r
+    # A frame over the 4 KiB cap is not a report: the forged "oom" in it is not believed.
+    big = json.dumps({"x": 0, "oom": True, "pad": "p" * 5000})
+    r = c.execute(f"import os, struct\nb = {big!r}.encode()\nos.write(3, struct.pack('>I', len(b)) + b)\n"
+                  "os._exit(0)")
+    assert (r.status, r.exit_code) == ("ok", 0), r
 
 
 def test_sessions_are_isolated_from_each_other(c):
