@@ -250,6 +250,39 @@ def test_several_updates_per_batch_clip_against_pi_old():
     assert m2["ratio_max"] > 1.01 and m2["ratio_min"] < 0.99 and m2["clip_frac"] > 0
 
 
+@pytest.mark.parametrize("mode", [[], ["grpo.tis_cap=2.0"]], ids=["no-correction", "tis"])
+def test_the_first_of_several_updates_is_the_one_update_step_exactly_and_costs_no_extra_pass(mode):
+    """The first optimizer step of updates_per_batch 2 is bit for bit the step of updates_per_batch 1,
+    and a 2-update step runs exactly twice the forwards of a 1-update step: pi_old comes from the
+    first update's own forward, never from a pass of its own (bench/learner.py's
+    second_update_ratio rests on this)."""
+    one = make_trainer(*mode, "learner.lr=5e-2")
+    two = make_trainer(*mode, "learner.lr=5e-2", "grpo.updates_per_batch=2")
+    b = batch(47, on_policy_model=one.module)
+    forwards = {id(one): 0, id(two): 0}
+    first: dict = {}
+    for tr in (one, two):
+        logprobs, step = tr._logprobs, tr._optimizer_step
+
+        def counted(*a, _tr=tr, _f=logprobs):
+            forwards[id(_tr)] += 1
+            return _f(*a)
+
+        def stepped(*a, _tr=tr, _f=step):
+            _f(*a)
+            if _tr is two and not first:
+                first.update({n: t.clone() for n, t in two.export_state()})
+
+        tr._logprobs, tr._optimizer_step = counted, stepped
+    m1, m2 = one.train_step(b), two.train_step(b)
+    assert m1["optimizer_steps"] == 1 and m2["optimizer_steps"] == 2
+    assert forwards[id(one)] >= 1 and forwards[id(two)] == 2 * forwards[id(one)]
+    after_one = dict(one.export_state())
+    assert first.keys() == after_one.keys()
+    for n, t in after_one.items():
+        assert torch.equal(first[n], t), n
+
+
 def test_mini_batches_take_pi_old_from_before_the_first_update():
     """Two mini-batches in one update: the second mini-batch's ratios are against the weights before
     the first mini-batch's step (so they already move), not against the weights it meets."""
