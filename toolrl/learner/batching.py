@@ -104,7 +104,9 @@ def gather_batch(draw: Callable[[int, int], list[Sample]], want: int, token_budg
     got = Gathered([], 0, 0)
     while len(got.samples) < want:
         if clock() > deadline:
-            raise SystemExit(f"{len(got.samples)}/{want} samples from {what} before the batch deadline")
+            why = (f" ({got.drawn} drawn, {got.dropped} left out by dynamic sampling: their groups had no "
+                   f"reward variance)") if got.dropped else ""
+            raise SystemExit(f"{len(got.samples)}/{want} samples from {what} before the batch deadline{why}")
         if dynamic_sampling and got.samples and got.drawn >= max_draws * want:
             break
         used = sum(s.num_tokens for s in got.samples)
