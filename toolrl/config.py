@@ -210,8 +210,9 @@ class RewardConfig(Section):
 
 
 class GRPOConfig(Section):
-    """The objective (toolrl/grpo.py; formulas in docs/ARCHITECTURE.md, "The objective"), with the option
-    names TRL users know. The defaults are the DAPO-style token loss with no IS correction."""
+    """The objective (toolrl/grpo.py; formulas in docs/ARCHITECTURE.md, "The objective"), named after
+    TRL's options where they mean the same (that section maps TRL 1.16's names and differences).
+    The defaults are the DAPO-style token loss with no IS correction."""
 
     epsilon_low: float = Field(0.2, ge=0)  # clip range below 1
     # clip range above 1 (clip-higher, DAPO). For loss_type cispo, as in TRL: the absolute cap on the
@@ -224,7 +225,7 @@ class GRPOConfig(Section):
     # cispo (-sg(min(ratio, epsilon_high)) * A * logp, token mean)
     loss_type: Literal["token", "sequence", "dr_grpo", "gspo", "cispo"] = "token"
     scale_rewards: bool = True  # False: mean-only advantages, as in Dr. GRPO
-    # The group std of scaled advantages: population (divide by n) or sample (n - 1, as TRL)
+    # The group std of scaled advantages: population (divide by n) or sample (n - 1, as TRL's nanstd)
     std: Literal["population", "sample"] = "population"
     drop_zero_std_groups: bool = False
     entropy_coef: float = Field(0.0, ge=0)  # bonus: the loss subtracts entropy_coef * entropy
