@@ -289,6 +289,9 @@ def test_all_sessions_together_stay_within_total_memory(tmp_path):
         if not cg:
             pytest.skip("no memory cgroup here: reported as a missing isolation layer instead")
         base = Path(cg["memory_cgroup"])
+        memory = c._http.get("/health").json()["memory"]
+        assert (memory["mode"], memory["total_mb"], memory["cgroup"]) == ("cgroup", 320, str(base))
+        assert 0 <= memory["held_mb"] < 320, memory  # the group's usage, read when asked
         assert int((base / "memory.limit_in_bytes").read_text()) == 320 << 20 and cg["total_memory_mb"] == 320
         held = [c.execute("blob = b'x' * (120 << 20)\nprint('held')", session_id=f"mem{i}") for i in range(3)]
         after = [c.execute("print(len(blob) >> 20)", session_id=f"mem{i}") for i in range(3)]

@@ -64,3 +64,6 @@ class HealthResponse(BaseModel):
     uids: dict[str, list[int]]  # [first, last] uid of the slot and session ranges
     forkserver_pid: int | None
     restarts: int
+    # how the executor's total memory is bounded: {"mode": "cgroup" | "admission" | "none", "total_mb",
+    # "held_mb", ...} (docs/EXECUTOR.md, Isolation)
+    memory: dict[str, Any] = Field(default_factory=dict)

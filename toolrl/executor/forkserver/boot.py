@@ -46,18 +46,23 @@ def main() -> None:
             log.critical("cannot claim a block of sandbox uids: %s", exc)
             sys.exit(3)
     cgroups = None
+    total = cfg["total_memory_bytes"] = cfg.get("total_memory_bytes") or isolation.host_memory_bytes() // 2
     if "cgroup" in disabled:
         report["missing"].append(f"cgroup: {isolation.IMPACT['cgroup']} "
                                  "(disabled by executor.disable_isolation)")
     else:
         try:
             cgroups = isolation.Cgroups(f"toolrl-exec-{os.getpid()}")
-            total = cfg.get("total_memory_bytes") or isolation.host_memory_bytes() // 2
-            cgroups.set_total_memory(total)
-            report["cgroups"] = {"pids": True, "memory": True, "total_memory_mb": total >> 20,
-                                 "memory_cgroup": cgroups.base["memory"]}
+            report["cgroups"] = {"pids": True, "memory": True}
         except OSError as exc:
             report["missing"].append(f"cgroup: {isolation.IMPACT['cgroup']} ({exc})")
+    if cgroups is not None:
+        try:
+            cgroups.set_total_memory(total)
+            report["cgroups"].update(total_memory_mb=total >> 20, memory_cgroup=cgroups.base["memory"])
+            report["memory"] = {"mode": "cgroup", "total_mb": total >> 20, "cgroup": cgroups.base["memory"]}
+        except OSError as exc:  # the manager bounds the total by admission instead (no "memory" here)
+            report.setdefault("warnings", []).append(f"could not bound all lanes' memory together: {exc}")
     isolation.enter_namespaces(report, disabled)
     pid = os.fork()
     if pid:

@@ -146,8 +146,11 @@ def log_isolation(hello: dict, cfg: ExecutorConfig) -> None:
     iso = hello["isolation"]
     log.info("executor isolation: namespaces %s; uid drop %s; cgroups %s; filesystem %s",
              iso.get("namespaces"), iso.get("uid_drop"), iso.get("cgroups"), iso.get("filesystem"))
+    log.info("executor memory bound: %s", iso.get("memory"))
     for item in iso.get("missing", []):
         log.warning("!!! ISOLATION MISSING !!! %s", item)
+    for item in iso.get("warnings", []):
+        log.warning("executor isolation: %s", item)
     for item in iso.get("preimport_missing", []):
         log.warning("could not pre-import %s (runners will import it on first use, if at all)", item)
     if hello.get("workers") != cfg.workers:
@@ -223,7 +226,8 @@ def create_app(cfg: ExecutorConfig) -> FastAPI:
         body = HealthResponse(ok=b.ready, workers=hello.get("workers", 0), queued=b.admitted,
                               max_queue=cfg.max_queue, sessions=len(ex.sessions),
                               isolation=hello.get("isolation", {}), uids=hello.get("uids", {}),
-                              forkserver_pid=b.proc.pid if b.proc else None, restarts=b.restarts)
+                              forkserver_pid=b.proc.pid if b.proc else None, restarts=b.restarts,
+                              memory=b.memory_status())
         return JSONResponse(body.model_dump(), status_code=200 if b.ready else 503)
 
     @app.delete("/sessions/{session_id:path}", dependencies=auth)

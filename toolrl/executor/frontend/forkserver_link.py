@@ -39,6 +39,7 @@ class ForkServerLink:
         self.on_restart = on_restart  # called when a new fork server replaces a dead one
         self.proc: subprocess.Popen | None = None
         self.hello: dict = {}
+        self.memory: dict = {}  # how the executor's total memory is bounded (the fork server says)
         self.ready = False
         self.stopping = False
         self.admitted = 0
@@ -72,6 +73,7 @@ class ForkServerLink:
             self._kill_proc()
             raise ForkServerDown(f"unexpected first message from the fork server: {hello!r}")
         self.hello = hello
+        self.memory = dict(hello["isolation"].get("memory", {}))
         self.ready = True
         self._reader_task = asyncio.create_task(self._read_loop(reader))
         return hello
@@ -155,6 +157,18 @@ class ForkServerLink:
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(ForkServerDown(why))
+
+    def memory_status(self) -> dict:
+        """How the executor's total memory is bounded and what is held: in admission mode as the fork
+        server last reported it; in cgroup mode the group's usage, read now (nothing per execution)."""
+        status = dict(self.memory)
+        if status.get("mode") == "cgroup":
+            try:
+                with open(os.path.join(status["cgroup"], "memory.usage_in_bytes")) as f:
+                    status["held_mb"] = round(int(f.read()) / (1 << 20))
+            except (OSError, ValueError):
+                pass
+        return status
 
     # -- work ------------------------------------------------------------------------------------
     def retry_after(self) -> int:
