@@ -85,8 +85,10 @@ class ExecutorConfig(Section):
     max_timeout_s: float = Field(60.0, gt=0, le=600)  # the most a request may ask for
     memory_mb: int = Field(512, ge=32)  # default memory per execution, on top of the warm interpreter
     max_memory_mb: int = Field(4096, ge=32)
-    # The most every run and session together may hold (one memory cgroup above all lanes): beyond
-    # it the kernel kills inside the sandbox, never outside. None: half of the host's memory.
+    # The most every run and session together may hold: one memory cgroup above all lanes (beyond it
+    # the kernel kills inside the sandbox, never outside), or without a memory cgroup admission by
+    # memory (workers x memory_mb kept for running executions; past the rest, idle sessions are
+    # evicted and new ones refused). None: half of the host's memory.
     total_memory_mb: int | None = Field(None, ge=64)
     max_output_bytes: int = Field(8192, ge=256)  # kept per stream (head and tail), with a marker between
     output_kill_bytes: int = Field(1 << 20, ge=1024)  # a run printing more than this in total is killed

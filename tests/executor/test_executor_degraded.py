@@ -2,6 +2,10 @@
 modes still clean up after every run."""
 from __future__ import annotations
 
+import concurrent.futures
+import time
+from pathlib import Path
+
 import pytest
 
 from test_executor import check_nothing_carries_over, processes_with_uid, sandbox_pid_ns, wait_for
@@ -56,3 +60,65 @@ def test_without_a_tmpfs_per_lane_cleanup_still_leaves_nothing_and_survives_deep
                        log_path=tmp_path / "executor.log") as ex:
         with ExecutorClient(ex.url, timeout_s=60) as c:
             check_nothing_carries_over(c)
+
+
+HOLD = "x = bytearray({mb} << 20)\nx[::4096] = b'\\1' * (len(x) >> 12)\nprint('held')"  # every page touched
+
+
+def private_mb(uids: list[int], pid_ns: str) -> float:
+    """What the processes with a uid in [lo, hi] hold on their own (private resident pages), from /proc."""
+    total = 0
+    for line in processes_with_uid(*uids, pid_ns=pid_ns):
+        pid = line.split()[1]
+        for row in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if row.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(row.split()[1])
+    return total / 1024
+
+
+def test_without_a_memory_cgroup_sessions_are_bounded_by_admission(tmp_path):
+    """No memory cgroup: the executor measures what sessions hold and keeps it within the part of
+    total_memory_mb that workers x memory_mb (running executions) leaves them, here 650 - 3 x 150 =
+    200 MB. The least recently used idle session is evicted and says so; busy sessions and those
+    within the bound keep their state; a new session that cannot fit is refused (503), never hung."""
+    sets = ['executor.disable_isolation=["cgroup"]', "executor.workers=3", "executor.memory_mb=150",
+            "executor.total_memory_mb=650"]
+    with LocalExecutor(sets=sets, log_path=tmp_path / "executor.log") as ex, \
+            ExecutorClient(ex.url, timeout_s=60, retries=0) as c:
+        h = c._http.get("/health").json()
+        assert h["memory"]["mode"] == "admission" and h["memory"]["sessions_share_mb"] == 200, h["memory"]
+        ns = sandbox_pid_ns(h["forkserver_pid"])
+        assert [c.execute(HOLD.format(mb=80), session_id=s).stdout for s in ("s0", "s1")] == ["held\n"] * 2
+        for s in ("s0", "s1"):  # both fit: untouched (and s0 is now the least recently used)
+            assert c.execute("print(len(x) >> 20)", session_id=s).stdout == "80\n"
+        assert c.execute(HOLD.format(mb=80), session_id="s2").stdout == "held\n"  # 3 x 80 MB do not
+        for s in ("s1", "s2"):
+            r = c.execute("print(len(x) >> 20)", session_id=s)
+            assert (r.stdout, r.session_reset) == ("80\n", False), r
+        r = c.execute("print(len(x) >> 20)", session_id="s0")  # the least recently used idle one
+        assert r.session_reset and "evicted to bound the executor's memory" in r.session_note, r
+        assert "NameError" in r.stderr
+        held = private_mb(h["uids"]["sessions"], ns)
+        assert 160 < held <= 200, held  # s1 and s2 (80 MB each) and a fresh s0, measured by the kernel
+
+        # An execution asking 300 MB takes 150 MB more from the sessions' share while it runs: idle
+        # sessions go; s1 is executing and stays. Then a new session cannot fit, and is refused.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            busy = pool.submit(c.execute, "import time\ntime.sleep(4)\nprint(len(x) >> 20)", session_id="s1")
+            time.sleep(0.3)
+            big = pool.submit(c.execute, "import time\ntime.sleep(2.5)", memory_mb=300)
+            assert wait_for(lambda: c._http.get("/health").json()["memory"]["reserved_mb"] != 600, 3) is False
+            for s in ("s3", "s2"):  # a new session; an evicted one that would start again
+                r = c._http.post("/execute", json={"code": "print(1)", "session_id": s})
+                assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+                assert "no memory for a new session" in r.json()["detail"], r.text
+            assert big.result().status == "ok"
+            r = busy.result()
+            assert (r.status, r.stdout, r.session_reset) == ("ok", "80\n", False), r
+        assert c.execute("print('fresh')", session_id="s3").stdout == "fresh\n"  # room again
+        r = c.execute("print(len(x) >> 20)", session_id="s2")  # still told why, after the refusal
+        assert r.session_reset and "evicted to bound the executor's memory" in r.session_note, r
+        memory = lambda: c._http.get("/health").json()["memory"]  # noqa: E731 (reported once a second)
+        assert not wait_for(lambda: memory()["evicted"] < 3, 3)
+        m = memory()
+        assert m["refused"] >= 1 and m["held_mb"] <= m["sessions_share_mb"] == 200, m

@@ -29,7 +29,8 @@ IMPACT = {
     "uid": "no per-slot uid: runners run as the service's own uid, can signal each other and the fork "
            "server, and read each other's files; concurrency is forced to 1 slot",
     "cgroup": "no cgroups: memory is limited per process (RLIMIT_AS) not per slot, process count only by "
-              "RLIMIT_NPROC, and out-of-memory kills by the kernel read as 'killed'",
+              "RLIMIT_NPROC, out-of-memory kills by the kernel read as 'killed', and the kernel does not bound "
+              "the executor's total memory (admission does instead, measured from /proc: `memory` in /health)",
     "seccomp": "no seccomp filter: runners can make user namespaces (and mount inside them), use ptrace, "
                "io_uring, BPF and keyrings",
 }

@@ -27,6 +27,7 @@ import time
 from toolrl.executor import ipc
 from toolrl.executor.forkserver import zygote
 from toolrl.executor.forkserver.lanes import Lane, LaneFactory
+from toolrl.executor.forkserver.memory_admission import TICK_S, admission_for
 from toolrl.executor.forkserver.records import MAX_REPORTS, Proc, Run, Session, Slot, classify, synthetic
 from toolrl.executor.forkserver.session_runners import SESSION_UID_OFFSET, SessionRunners
 from toolrl.executor.forkserver.sweeper import Sweeper, sweep_descendants
@@ -102,6 +103,14 @@ class ForkServer(SessionRunners):
                      + ["heavy"] * min(self.workers + 1, half))
         base = cfg["uid_base"]
         self.slots = [Slot(i, lanes.make(f"slot{i}", base + i), kind) for i, kind in enumerate(kinds)]
+        self.memory = admission_for(self)  # None where a memory cgroup bounds the total (or nothing can)
+
+    def memory_tick(self) -> None:
+        """Admission by memory's periodic pass; the front end hears of changes (for /health)."""
+        status = self.memory.tick()
+        if status is not None:
+            self.send({"op": "memory", "memory": status})
+        self.at(TICK_S, self.memory_tick)
 
     # -- plumbing --------------------------------------------------------------------------------
     def _on_term(self, *_):
@@ -136,6 +145,8 @@ class ForkServer(SessionRunners):
                             "sessions": [base + SESSION_UID_OFFSET, base + SESSION_UID_OFFSET + n - 1]}})
         for slot in self.slots:
             self.spawn_spare(slot)
+        if self.memory is not None:
+            self.at(TICK_S, self.memory_tick)
         while not self.stopping:
             timeout = 1.0
             if self.timers:
@@ -198,6 +209,13 @@ class ForkServer(SessionRunners):
 
     def answer(self, job_id: int, result: dict, reset: str | None = None, lost: str | None = None) -> None:
         self.outgoing.append({"id": job_id, "result": result, "reset": reset, "lost": lost})
+        if self.memory is not None:
+            self.memory.answered(job_id)
+
+    def refuse(self, job_id: int, why: str, reset: str | None) -> None:
+        """Not run, and the front end answers it as it answers a full house of sessions (503)."""
+        self.outgoing.append({"id": job_id, "result": synthetic("killed", f"[executor: {why}]"), "reset": reset,
+                              "lost": None, "refused": why})
 
     def cancel(self, ids: set) -> None:
         kept = collections.deque()
@@ -259,6 +277,8 @@ class ForkServer(SessionRunners):
             prlimit(p.pid, resource.RLIMIT_CPU, int(run.cpu0) + cpu_s)
             prlimit(p.pid, resource.RLIMIT_AS, p.vm_base + mem)
         p.blocks += 1
+        if self.memory is not None:
+            self.memory.run_started(job["id"], mem)
         lim = self.cfg["limits"]
         frame = {"code": job["code"], "stdin": job.get("stdin"),
                  "limits": {"cpu_s": cpu_s, "memory_bytes": mem, "fsize": lim["fsize"],

@@ -23,7 +23,7 @@ class SessionRunners:
         idx, fresh = job["session"], bool(job.get("fresh"))
         s = self.sessions.get(idx)
         if s is not None:
-            if s.state != "idle":
+            if s.state != "idle" or s.kill_note is not None:  # (being killed: wait until it is gone)
                 return False
             if fresh:  # the front end starts a new session at this index: drop the old process first
                 self.kill_session(idx, "replaced by a new session")
@@ -31,12 +31,19 @@ class SessionRunners:
             s.state = "busy"
             self.start_run(s.proc, job, None)
             return True
-        lost = self.lost.pop(idx, None)
-        reset = None if fresh else (lost or "the session's process was no longer running")
+        reset = None if fresh else (self.lost.get(idx) or "the session's process was no longer running")
+        if self.memory is not None:
+            why = self.memory.admit(idx)
+            if why is not None:
+                self.refuse(job["id"], why, reset)
+                return True
+        self.lost.pop(idx, None)
         try:
             lane = self.lanes.make(f"sess{idx}", self.cfg["uid_base"] + SESSION_UID_OFFSET + idx)
         except OSError as exc:
             log.error("session %d: could not make its lane: %s", idx, exc)
+            if self.memory is not None:
+                self.memory.forget(idx)
             self.answer(job["id"], synthetic("killed", f"[executor: could not start the session: {exc}]"),
                         lost=f"could not start the session: {exc}")
             return True
@@ -57,6 +64,8 @@ class SessionRunners:
             self.session_cleaned(s)
             return
         s.proc, s.state = p, "busy"
+        if self.memory is not None:
+            self.memory.started(s.index, p.pid)
         self.start_run(p, job, reset)
         if s.kill_note:  # deleted while it was starting
             self.kill_run(p, "killed", f"[executor: {s.kill_note}]")
@@ -102,6 +111,8 @@ class SessionRunners:
         self.active -= 1
         s.state = "idle"
         self.answer(run.job["id"], result, reset=run.reset)
+        if self.memory is not None:
+            self.memory.block_done(s.index)
 
     def session_exited(self, p: Proc, status: int, cpu_ms: float) -> None:
         s = p.session
@@ -124,6 +135,14 @@ class SessionRunners:
             log.error("session %d: could not remove its working dir: %r", s.index, exc)
         if self.sessions.get(s.index) is s:
             del self.sessions[s.index]
+            if self.memory is not None:
+                self.memory.forget(s.index)
+
+    def evict_for_memory(self, idx: int, note: str) -> None:
+        """End an idle session to bound the executor's memory (memory_admission.py); like a process
+        that died between blocks, the session's next block gets `session_reset` and this note."""
+        self.kill_session(idx, note)
+        self.lost[idx] = note
 
     def kill_session(self, idx: int, note: str) -> None:
         self.lost.pop(idx, None)

@@ -7,7 +7,7 @@ DELETE /sessions/{id}   {"deleted": bool}
 
 Errors: 400 body is not JSON, 422 it does not validate or asks for more than the server allows,
 413 body over executor.max_request_bytes, 401 missing/wrong bearer token, 429 queue full and 503
-fork server down or every session busy (both with Retry-After).
+fork server down, every session busy, or no memory for a new session (both with Retry-After).
 """
 from __future__ import annotations
 
@@ -112,6 +112,9 @@ class Executor:
                     reset, s.pending_reset = s.pending_reset, None
                     fresh, s.fresh = s.fresh, False
                     [item] = await self.forkserver.run([dict(job, session=s.index, fresh=fresh)])
+                    if item.get("refused"):  # no memory for its process: as if it had never started
+                        self.sessions.refused(s, reset or item.get("reset"))
+                        raise SessionsFull(item["refused"])
                 finally:
                     s.lock.release()
             finally:

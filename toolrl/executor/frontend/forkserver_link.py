@@ -39,7 +39,7 @@ class ForkServerLink:
         self.on_restart = on_restart  # called when a new fork server replaces a dead one
         self.proc: subprocess.Popen | None = None
         self.hello: dict = {}
-        self.memory: dict = {}  # how the executor's total memory is bounded (the fork server says)
+        self.memory: dict = {}  # how the total memory is bounded; in admission mode updated once a second
         self.ready = False
         self.stopping = False
         self.admitted = 0
@@ -86,6 +86,7 @@ class ForkServerLink:
                 "disabled": list(c.disable_isolation),
                 "max_output_bytes": c.max_output_bytes, "output_kill_bytes": c.output_kill_bytes,
                 "total_memory_bytes": (c.total_memory_mb << 20) if c.total_memory_mb else None,
+                "memory_mb": c.memory_mb,
                 "limits": {"fsize": c.max_file_mb << 20, "nofile": c.max_open_files, "nproc": c.max_procs,
                            "disk_mb": c.scratch_mb}}
 
@@ -125,6 +126,8 @@ class ForkServerLink:
                         if fut is not None and not fut.done():
                             fut.set_result(item)
                         self._avg_s = 0.95 * self._avg_s + 0.05 * item["result"]["wall_ms"] / 1000
+                elif msg.get("op") == "memory":
+                    self.memory = msg["memory"]
         except (asyncio.IncompleteReadError, ConnectionError, ipc.FrameError, OSError) as exc:
             if not self.stopping:
                 log.error("lost the fork server (%r, exit code %s)", exc,

@@ -83,6 +83,12 @@ class SessionManager:
         if s.alive:
             self._end(s, reason, tell_forkserver=False)
 
+    def refused(self, s: Session, reset: str | None) -> None:
+        """The fork server had no memory to start the session's process: the id is let go as if it had
+        never started, keeping the reason its earlier state is gone (if any) for its next block."""
+        if s.alive:
+            self._end(s, reset, tell_forkserver=False)
+
     def delete(self, sid: str) -> bool:
         self.tombstones.pop(sid, None)
         s = self.active.get(sid)
