@@ -313,6 +313,11 @@ progress() {  # the learner's step and eval lines not shown yet
   SHOWN=$((SHOWN + $(wc -l <<< "$lines")))
 }
 EX_RESTARTS=0
+# With no gen worker of its own (launch.workers 0: they all join from other nodes), the run only
+# stops for want of workers once one has registered.
+SEEN=$(( WORKERS > 0 ))
+[ "$SEEN" = 1 ] || echo "no gen worker on this node: waiting for workers to join (ref_server.host must be reachable)"
+registered() { "$PY" -c "import os, sys; from toolrl.refserver.client import RefServerClient as C; sys.exit(not C('http://127.0.0.1:$REF_PORT', token=os.environ['TOOLRL_REF_SERVER_TOKEN'], timeout_s=5).workers())" 2>/dev/null; }
 while kill -0 "${PIDS[learner]}" 2>/dev/null; do
   progress
   if ! kill -0 "${PIDS[ref_server]}" 2>/dev/null; then echo "launch.sh: ref_server died; stopping" >&2; exit 1; fi
@@ -331,8 +336,9 @@ while kill -0 "${PIDS[learner]}" 2>/dev/null; do
     fi
   done
   # Workers that joined from elsewhere also count: only give up when the registry is empty too.
-  if [ $alive = 0 ] && ! "$PY" -c "import os, sys; from toolrl.refserver.client import RefServerClient as C; sys.exit(not C('http://127.0.0.1:$REF_PORT', token=os.environ['TOOLRL_REF_SERVER_TOKEN'], timeout_s=5).workers())" 2>/dev/null; then
-    echo "launch.sh: no gen worker left; stopping" >&2; exit 1
+  if [ $alive = 0 ]; then
+    if registered; then SEEN=1
+    elif [ "$SEEN" = 1 ]; then echo "launch.sh: no gen worker left; stopping" >&2; exit 1; fi
   fi
   sleep 2
 done

@@ -376,7 +376,9 @@ class LaunchConfig(Section):
     --worker-gpus, --learner-gpus) set these keys. Once any GPU is placed, a process given none runs
     on the CPU; with none placed, processes keep the GPUs launch.sh was given."""
 
-    workers: int = Field(1, ge=1)  # gen workers; default: one per worker GPU when those are listed
+    # gen workers on this node; default: one per worker GPU when those are listed. 0: every gen worker
+    # joins from other nodes (configs/slurm.sbatch); the run waits for the first to register
+    workers: int = Field(1, ge=0)
     ref_gpu: int | None = Field(None, ge=0)  # the reference model's GPU
     # gen worker i gets worker_gpus[i] (fewer workers leave the last GPUs idle; more need share_gpus,
     # and then go round robin)
