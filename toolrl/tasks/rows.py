@@ -181,6 +181,13 @@ def data_files(path: Path, split: str | None) -> list[Path]:
     return _snapshot(path, split)
 
 
+def looks_local(path: str) -> bool:
+    """Whether `path` can only mean a local file or directory: a missing one must not fall through to
+    the hub (a slow, misleading network error), and a hub id never starts like a path or ends like a
+    data file."""
+    return path.startswith((".", "/", "~")) or "\\" in path or path.lower().endswith(_DATA_SUFFIXES + (".json",))
+
+
 def read_located_rows(path: str, split: str | None = "train") -> list[Located]:
     """Every row of a data set, each with where it is ("FILE row N", for error messages), from a
     local file or directory in any of the module's formats, or a hub id."""
@@ -189,7 +196,7 @@ def read_located_rows(path: str, split: str | None = "train") -> list[Located]:
         if not (local.is_file() or local.is_dir()):
             raise DataError(f"{path}: not a readable data file: {EXPECTED}")
         return [row for f in data_files(local, split) for row in read_file(f)]
-    if path.startswith((".", "/", "~")) or "\\" in path:
+    if looks_local(path):
         raise DataError(f"{path}: not a readable data file (no such file or directory)")
     repo, _, config = path.partition(":")
     try:

@@ -202,35 +202,45 @@ def split(problems: list[Problem], seed: int, train_fraction: float = 0.8) -> tu
     return train, held
 
 
+KINDS = "humaneval, mbpp[:PATH][@SPLIT], apps[:PATH][@SPLIT][@DIFFICULTY]"
+
+
 def parse_part(part: str) -> tuple[str, str, str | None, str | None]:
     """`KIND[:PATH][@SPLIT][@DIFFICULTY]` -> (kind, path, split, difficulty); a qualifier that names an
-    APPS difficulty is the difficulty, any other the split."""
+    APPS difficulty is the difficulty, any other the split. Checked before anything is read, so a bad
+    part fails at once and not after the parts before it have loaded."""
     head, *quals = part.split("@")
     kind, _, path = head.partition(":")
     difficulties = [q for q in quals if q in APPS_DIFFICULTIES]
     splits = [q for q in quals if q not in APPS_DIFFICULTIES]
+    if kind == "prepared":  # toolrl.tasks.code.prepare: its split is made, so nothing may join it
+        raise DataError(f"{part!r}: a prepared directory is a finished split and stands alone (not joined by +); "
+                        "prepare every source together")
+    if kind not in ("humaneval", "mbpp", "apps") or (kind == "humaneval" and quals):
+        raise DataError(f"unknown code task {part!r}; use {KINDS}")
     if len(difficulties) > 1 or len(splits) > 1 or "" in quals or (difficulties and kind != "apps"):
         raise DataError(f"code task {part!r}: use KIND[:PATH][@SPLIT], and for apps also [@DIFFICULTY]")
     return kind, path, (splits or [None])[0], (difficulties or [None])[0]
+
+
+def load_part(part: str) -> list[Problem]:
+    """The problems of one `KIND[:PATH][@SPLIT][@DIFFICULTY]`."""
+    kind, path, data_split, difficulty = parse_part(part)
+    if kind == "humaneval":
+        return load_humaneval(path or None)
+    if kind == "mbpp":
+        return load_mbpp(path or HUB_MBPP, data_split or "train")
+    return load_apps(path or HUB_APPS, data_split or "train", difficulty=difficulty)
 
 
 def load_code_task(task: str) -> list[Problem]:
     """`humaneval`, `mbpp[:PATH][@SPLIT]`, `apps[:PATH][@SPLIT][@DIFFICULTY]`, or several joined with
     `+`. PATH is a hub id or any local format of toolrl.tasks.rows (jsonl, parquet, a snapshot
     directory, save_to_disk output); SPLIT (default train) picks a split where the data has several."""
-    problems = []
-    for part in task.split("+"):
-        kind, path, data_split, difficulty = parse_part(part)
-        if kind == "humaneval" and data_split is None:
-            problems += load_humaneval(path or None)
-        elif kind == "mbpp":
-            problems += load_mbpp(path or HUB_MBPP, data_split or "train")
-        elif kind == "apps":
-            problems += load_apps(path or HUB_APPS, data_split or "train", difficulty=difficulty)
-        else:
-            raise DataError(f"unknown code task {part!r}; use humaneval, mbpp[:PATH][@SPLIT], "
-                            "apps[:PATH][@SPLIT][@DIFFICULTY]")
-    return problems
+    parts = task.split("+")
+    for part in parts:
+        parse_part(part)
+    return [p for part in parts for p in load_part(part)]
 
 
 def find_task(task_id: str) -> Problem:
