@@ -43,7 +43,8 @@ class DataConfig(Section):
     source: str = "arithmetic"
     # local data (a jsonl/json/parquet/arrow file, a hub snapshot directory, save_to_disk output; see
     # toolrl.tasks.rows), or a hub dataset id when the network allows. For source=code, the tasks:
-    # humaneval, mbpp[:PATH][@SPLIT], apps[:PATH][@SPLIT][@DIFFICULTY], joined with + (e.g. humaneval+mbpp:m.jsonl)
+    # humaneval, mbpp[:PATH][@SPLIT], apps[:PATH][@SPLIT][@DIFFICULTY], joined with + (e.g. humaneval+mbpp:m.jsonl),
+    # or prepared:DIR (a split written by toolrl.tasks.code.prepare, read as written: seed and fraction unused)
     path: str | None = None
     train_fraction: float = Field(0.8, gt=0, le=1)  # source=code: the seeded per-source train share
     split: str = "train"  # of a hub id, a DatasetDict or a snapshot directory (source=code: PATH@SPLIT)

@@ -1,6 +1,6 @@
 """The code family (`data.source: code`, held out `code:TASKS`): the seeded split of the loaded
-tasks, and its teacher, which writes a collected trace (toolrl.tasks.code.traces) or the data's
-reference solution."""
+tasks, or the split a prepared directory holds (`prepared:DIR`, toolrl.tasks.code.prepare), and its
+teacher, which writes a collected trace (toolrl.tasks.code.traces) or the data's reference solution."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from toolrl.config import DataConfig, TeacherConfig
 from toolrl.tasks.base import Problem, Task, Teacher, TeacherTrace
-from toolrl.tasks.code.loaders import load_code_task, split
+from toolrl.tasks.code.prepared import code_side, parse_prepared
 
 _CODE_THINKING = [
     "I will write the function directly and make sure it handles the edge cases.",
@@ -56,18 +56,19 @@ def code_trace(problem: Problem, rng: random.Random, traces: dict[str, list[dict
 class CodeTask(Task):
     """TASKS: `humaneval`, `mbpp[:PATH][@SPLIT]`, `apps[:PATH][@SPLIT][@DIFFICULTY]`, joined with `+`.
     Training takes one side of a per-source split seeded by data.seed, evaluation the other (with
-    MBPP's challenge tests added to each held-out problem's tests)."""
+    MBPP's challenge tests added to each held-out problem's tests). Or `prepared:DIR`: the two sides
+    as written, whatever the seed (`code:prepared:DIR@train` evaluates on the train side)."""
 
     name = "code"
     grading = "tests"
 
     def problems(self, data: DataConfig, n: int | None = None, seed: int | None = None) -> list[Problem]:
-        train, _ = split(load_code_task(data.path or "humaneval"), data.seed, data.train_fraction)
+        train = code_side(data.path or "humaneval", "train", data.seed, data.train_fraction)
         return train[:n] if n else train
 
     def heldout(self, arg: str, n: int, seed: int, data: DataConfig) -> list[Problem]:
-        _, held = split(load_code_task(arg or "humaneval"), seed, data.train_fraction)
-        return held[:n]
+        named = (parse_prepared(arg) or (None, None))[1]
+        return code_side(arg or "humaneval", named or "test", seed, data.train_fraction)[:n]
 
     def eval_seed(self, data: DataConfig) -> int:
         return data.seed  # the held-out side of the split the training run made
