@@ -1,13 +1,17 @@
 """Collect teacher traces for code tasks from any OpenAI-compatible chat endpoint (a large model
 behind `vllm serve`, or a hosted API), keep those whose code passes the task's tests, and save
-them as jsonl for `teacher.traces_path` (read back by toolrl.tasks.code.task).
+them as jsonl for `teacher.traces_path` (read back by toolrl.tasks.code.task): one row per kept
+answer, its reasoning (`thinking`) and its program (`code`) apart.
 
     python -m toolrl.tasks.code.traces --base-url http://127.0.0.1:8000/v1 --model NAME \\
-        --tasks humaneval --samples 4 --concurrency 8 --out runs/traces.jsonl
+        --tasks prepared:data/code --samples 4 --concurrency 8 --out runs/traces.jsonl
 
-Requests run concurrently with retries (429, 5xx and connection errors back off and retry; other
-errors are reported and counted); the code is scored in the executor service with the same
-harness as the rewards.
+Before any task is asked, GET /models checks that the server answers, speaks the API at --base-url
+and serves --model. Requests run concurrently with retries (429, 5xx and connection errors back off
+and retry; other errors are reported and counted); the code is scored in the executor service with
+the same harness as the rewards. Exit status 2: bad input (arguments, tasks, a server that cannot
+be used as named), one line on stderr; 1: no answer came, or none passed its tests (--out is then
+not written).
 """
 from __future__ import annotations
 
@@ -18,31 +22,73 @@ import os
 import random
 import re
 import sys
+import time
 from pathlib import Path
+from typing import NoReturn
 
 import httpx
 from tqdm import tqdm
 
-from toolrl.config import load_config
+from toolrl.config import add_config_args, config_from_args
 from toolrl.executor.client import AsyncExecutorClient
-from toolrl.prompts import load_chat_prompt
-from toolrl.tasks.base import Problem
-from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
-from toolrl.tasks.code.loaders import load_code_task, split
 from toolrl.executor.local import executor_available
+from toolrl.prompts import load_chat_prompt
+from toolrl.tasks.base import DataError, Problem
+from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
+from toolrl.tasks.code.loaders import load_code_task
+from toolrl.tasks.code.prepared import code_side, parse_prepared
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.S)
 
 
-def split_thinking(content: str, reasoning: str | None = None) -> str:
-    """The teacher's reasoning: a separate `reasoning_content` (vLLM reasoning parsers), else the
-    <think> block, else the prose before the first code fence."""
+def thinking_of(message: dict) -> str:
+    """The teacher's reasoning in a chat message: a separate field where the server splits it off
+    (`reasoning` in vLLM's reasoning parsers, `reasoning_content` in older vLLM and other APIs), else
+    the <think> block, else the prose before the first code fence."""
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
     if reasoning:
         return reasoning.strip()
+    content = message.get("content") or ""
     m = _THINK.search(content)
     if m:
         return m.group(1).strip()
     return content.split("```", 1)[0].strip()
+
+
+class TeacherError(Exception):
+    """The teacher server cannot be used as named: one line that says why."""
+
+
+def check_server(base_url: str, model: str, api_key: str | None, retries: int = 3, timeout_s: float = 10.0) -> None:
+    """GET /models (every OpenAI-compatible server has it: vLLM, llama.cpp, TGI, hosted APIs): the
+    server answers, --base-url is its API root, and it serves `model`. Connection errors are retried
+    with back-off, as a server that is still starting refuses them."""
+    url = base_url.rstrip("/") + "/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    for attempt in range(retries + 1):
+        try:
+            resp = httpx.get(url, headers=headers, timeout=timeout_s)
+            break
+        except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:  # no retry makes it one
+            raise TeacherError(f"--base-url {base_url}: not an http(s) URL ({exc}); e.g. http://127.0.0.1:8000/v1") \
+                from None
+        except httpx.TransportError as exc:
+            err = f"{type(exc).__name__}: {exc}"
+        if attempt < retries:
+            time.sleep(min(10.0, 0.5 * 2 ** attempt))
+    else:
+        raise TeacherError(f"cannot reach {base_url} ({err}): is the server up, and is --base-url its /v1 URL?")
+    root = "--base-url should be the server's OpenAI API root, e.g. http://127.0.0.1:8000/v1"
+    if resp.status_code in (401, 403):
+        raise TeacherError(f"{url}: HTTP {resp.status_code}: the server wants a key (--api-key or OPENAI_API_KEY)")
+    if resp.status_code != 200:
+        raise TeacherError(f"{url}: HTTP {resp.status_code}: {root}")
+    try:
+        served = [m["id"] for m in resp.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise TeacherError(f"{url}: not an OpenAI model list: {root}") from None
+    if model not in served:
+        raise TeacherError(f"model {model!r} is not served at {base_url}; it serves: {', '.join(served) or 'none'}")
 
 
 async def _ask(http: httpx.AsyncClient, url: str, payload: dict, retries: int, stats: dict) -> dict | None:
@@ -53,7 +99,11 @@ async def _ask(http: httpx.AsyncClient, url: str, payload: dict, retries: int, s
             err = f"{type(exc).__name__}: {exc}"
         else:
             if resp.status_code == 200:
-                return resp.json()["choices"][0]["message"]
+                try:
+                    return resp.json()["choices"][0]["message"]
+                except (ValueError, KeyError, IndexError, TypeError):
+                    err = f"not an OpenAI chat completion: {resp.text[:200]}"
+                    break  # it will not become one
             err = f"HTTP {resp.status_code}: {resp.text[:200]}"
             if resp.status_code not in (408, 409, 429) and resp.status_code < 500:
                 break  # a bad request stays bad
@@ -93,9 +143,8 @@ async def collect(problems: list[Problem], base_url: str, model: str, executor, 
         codes = [program_in(m.get("content") or "", spec) for m in answers]
         results = await arun_tests(executor, codes, [spec] * len(codes), per_test_timeout_s)
         for m, code, r in zip(answers, codes, results):
-            row = {"id": problem.id, "model": model, "thinking": split_thinking(m.get("content") or "",
-                                                                                 m.get("reasoning_content")),
-                   "code": code, "passed": r.passed, "total": r.total}
+            row = {"id": problem.id, "model": model, "thinking": thinking_of(m), "code": code,
+                   "passed": r.passed, "total": r.total}
             (kept if r.total and r.passed == r.total else rejected).append(row)
         stats["kept"] = len(kept)
         bar.update(1)
@@ -114,16 +163,31 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def select_problems(tasks: str, which: str, seed: int, train_fraction: float) -> list[Problem]:
+    """The tasks to ask: one side of their split (`prepared:DIR`: as written), or all of them."""
+    if which == "all" and parse_prepared(tasks) is None:
+        return load_code_task(tasks)
+    sides = ["train", "test"] if which == "all" else ["test" if which == "heldout" else "train"]
+    return [p for side in sides for p in code_side(tasks, side, seed, train_fraction)]
+
+
+def fail(message: str, status: int = 2) -> NoReturn:
+    print(f"teacher_traces: {message}", file=sys.stderr)
+    raise SystemExit(status)
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="teacher_traces", description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", required=True, help="the endpoint's /v1 URL")
     ap.add_argument("--model", required=True)
     ap.add_argument("--api-key", help="sent as a bearer token (or set OPENAI_API_KEY)")
     ap.add_argument("--tasks", default="humaneval",
-                    help="humaneval, mbpp[:PATH][@SPLIT], apps[:PATH][@SPLIT][@DIFFICULTY], joined by +")
+                    help="prepared:DIR, or humaneval, mbpp[:PATH][@SPLIT], apps[:PATH][@SPLIT][@DIFFICULTY] "
+                    "joined by +")
     ap.add_argument("--split", choices=["train", "heldout", "all"], default="train",
-                    help="which side of the seeded split (teach on train; never on what you evaluate)")
+                    help="which side of the split (teach on train; never on what you evaluate)")
     ap.add_argument("--seed", type=int, default=0, help="the split's seed (the training run's data.seed)")
+    ap.add_argument("--train-fraction", type=float, default=0.8, help="the split's data.train_fraction")
     ap.add_argument("--n", type=int, help="at most this many tasks")
     ap.add_argument("--samples", type=int, default=1, help="answers asked per task")
     ap.add_argument("--concurrency", type=int, default=8)
@@ -131,33 +195,54 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--request-seed", type=int, help="seed request k of each task with this + k (reproducible)")
-    ap.add_argument("--config", default="configs/cpu_demo.yaml", help="for the executor URL")
+    add_config_args(ap)  # for the executor (executor.url; a private one starts if none answers)
     ap.add_argument("--out", required=True)
     ap.add_argument("--rejected", help="also save the answers that failed their tests here")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    for name, least in (("samples", 1), ("concurrency", 1), ("retries", 0), ("max_tokens", 1), ("n", 1)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            fail(f"--{name.replace('_', '-')} {value}: must be at least {least}")
+    if not 0.0 < args.train_fraction <= 1.0 or args.temperature < 0:
+        fail("--train-fraction must be in (0, 1] and --temperature at least 0")
+    args.config = args.config or "configs/cpu_demo.yaml"
+    cfg = config_from_args(args)
 
-    problems = load_code_task(args.tasks)
-    if args.split != "all":
-        train, held = split(problems, args.seed)
-        problems = train if args.split == "train" else held
+    try:
+        problems = select_problems(args.tasks, args.split, args.seed, args.train_fraction)
+    except DataError as exc:
+        fail(str(exc))
     problems = problems[:args.n] if args.n else problems
-    cfg = load_config(args.config)
+    if not problems:
+        fail(f"no tasks: --tasks {args.tasks} --split {args.split} selects none")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    try:
+        check_server(args.base_url, args.model, api_key, retries=args.retries)
+    except TeacherError as exc:
+        fail(str(exc))
     with executor_available(cfg, log=lambda m: print(m, file=sys.stderr)) as c2:
         async def run():
             async with AsyncExecutorClient(c2.executor.url, token=c2.executor.token) as ex:
                 return await collect(problems, args.base_url, args.model, ex, args.samples, args.concurrency,
-                                     args.retries, args.temperature, args.max_tokens,
-                                     args.api_key or os.environ.get("OPENAI_API_KEY"), progress=not args.quiet,
+                                     args.retries, args.temperature, args.max_tokens, api_key,
+                                     per_test_timeout_s=c2.rewards.code_test_timeout_s, progress=not args.quiet,
                                      request_seed=args.request_seed)
         kept, rejected, stats = asyncio.run(run())
-    write_jsonl(args.out, kept)
+    errors = stats.pop("errors", [])
+    if errors:
+        stats["errors"] = errors[:5]
+    print(json.dumps(stats))
     if args.rejected:
         write_jsonl(args.rejected, rejected)
-    stats.pop("errors", None) if not stats.get("errors") else stats.update(errors=stats["errors"][:5])
-    print(json.dumps(stats))
     if stats["answered"] == 0:
-        raise SystemExit(f"teacher_traces: no answer from {args.base_url}")
+        fail(f"no answer from {args.base_url} ({stats['requested']} asked; first error: {errors[0]})", 1)
+    if not kept:
+        where = f" (saved to {args.rejected})" if args.rejected else " (--rejected saves them)"
+        fail(f"none of the {stats['answered']} answers passed its tests{where}; nothing written to {args.out}", 1)
+    write_jsonl(args.out, kept)
+    if not args.quiet:
+        print(f"teacher_traces: kept {len(kept)} of {stats['answered']} answers -> {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
