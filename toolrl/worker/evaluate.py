@@ -6,7 +6,8 @@
 M: a built-in name (smollm2-135m-instruct), an HF id or path, or a run directory (its export).
 T: arithmetic[:LEVEL or LO-HI][@KINDS] (held-out seed data.eval_seed unless --seed; KINDS: kind names or
    taught, free, all, comma-separated, e.g. arithmetic:1-3@free), gsm8k:PATH, math:PATH, jsonl:PATH,
-   code:TASKS (the held-out split of data.source=code, e.g. code:humaneval; accuracy = all tests pass),
+   code:TASKS (the held-out split of data.source=code, e.g. code:humaneval; accuracy = all tests pass;
+   code:prepared:DIR the test side a prepared split wrote, toolrl.tasks.code.prepare),
    pycode[:LEVEL or LO-HI] (generated function-writing problems, the held-out side of their split).
 Needs the executor service at executor.url; if none answers, a private one is started.
 
@@ -140,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, DataError, FileNotFoundError) as exc:
         print(f"evaluate.py: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    if dropped := [k for k in ks if k > args.samples]:  # pass@k needs k samples per problem
+        print(f"evaluate.py: pass@{', pass@'.join(map(str, dropped))} left out: they need --samples "
+              f"{max(dropped)} or more (--samples is {args.samples})", file=sys.stderr)
     ks = [k for k in ks if k <= args.samples] or [1]
     updates = {"model": cfg.model.model_copy(update={"name": model})}
     if args.temperature is not None:

@@ -197,3 +197,29 @@ def test_the_command_runs_with_progress_and_fails_without_a_traceback(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr == "toolrl-code-prepare: unknown code task 'nope'; use humaneval, " \
         "mbpp[:PATH][@SPLIT], apps[:PATH][@SPLIT][@DIFFICULTY]\n"
+
+
+def test_evaluate_py_evaluates_the_test_side_as_written_and_says_which_ks_it_left_out(tmp_path, monkeypatch, capsys):
+    import toolrl.worker.evaluate as ev
+
+    out = prepare(tmp_path, "--seed", "6")
+    capsys.readouterr()
+    seen = {}
+
+    def fake_evaluate(cfg, problems, samples, ks, progress=True, samples_out=None):  # no model runs here
+        seen.update(problems=problems, ks=ks)
+        return {"accuracy": 0.0, "pass_at_k": {str(k): 0.0 for k in ks}, "n_problems": len(problems),
+                **dict.fromkeys(("format_rate", "code_written_rate", "code_executed_rate", "tool_calls_per_answer",
+                                 "tool_error_rate", "mean_completion_tokens", "wall_s"), 0.0)}
+
+    monkeypatch.setattr(ev, "evaluate", fake_evaluate)
+    ev.main(["--model", "tiny-random", "--task", f"code:prepared:{out}", "--n-problems", "1000", "--samples", "4",
+             "--ks", "1,5,10", "--out", str(tmp_path / "eval.json"), "--quiet", "--set", "data.seed=99"])
+    assert as_values(seen["problems"]) == as_values(read_prepared(out, "test")) and seen["ks"] == [1]
+    assert "pass@5, pass@10 left out: they need --samples 10 or more (--samples is 4)" in capsys.readouterr().err
+    for task, says in ((f"code:prepared:{tmp_path / 'nowhere'}", "not a prepared directory"),
+                       (f"code:prepared:{out}+humaneval", "stands alone")):
+        with pytest.raises(SystemExit) as exc:
+            ev.main(["--model", "tiny-random", "--task", task, "--out", str(tmp_path / "e.json"), "--quiet"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.count("\n") == 1 and says in err
