@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from toolrl.tasks.base import DataError, Problem
 from toolrl.tasks.code.loaders import humaneval_path, load_part, parse_part, split
@@ -83,7 +85,8 @@ def prepare(sources: str, seed: int, train_fraction: float, out: str | Path, for
         if path and looks_local(path) and not Path(path).expanduser().exists():
             raise DataError(f"{part}: no such file or directory")
     problems, inputs = [], []
-    with tqdm(total=len(parts), desc="prepare", unit="source", disable=not progress) as bar:
+    # a loader's warnings (APPS rows without tests) print above the bar, not through it
+    with logging_redirect_tqdm(), tqdm(total=len(parts), desc="prepare", unit="source", disable=not progress) as bar:
         for part in parts:
             bar.set_postfix_str(f"loading {part[:60]}")
             loaded = load_part(part)
@@ -124,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--force", action="store_true", help="replace a prepared split already in --out")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
+    logging.basicConfig(format="toolrl-code-prepare: %(message)s")
     try:
         manifest = prepare(args.sources, args.seed, args.train_fraction, args.out, args.force, not args.quiet)
     except DataError as exc:
