@@ -168,6 +168,15 @@ def test_bad_input_is_one_line_and_status_2(tmp_path, capsys, args, says):
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+def test_a_missing_data_file_is_never_taken_for_a_hub_id(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # were it taken for one, fail fast rather than reach out
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    for path in ("data/mbpp.parquet", "mbpp.jsonl", "apps/test.jsonl.gz", "x.arrow", "y.json"):
+        with pytest.raises(DataError, match=rf"^{path}: not a readable data file \(no such file or directory\)$"):
+            load_code_task(f"mbpp:{path}")
+
+
 def test_an_existing_out_needs_force(tmp_path, capsys):
     out = prepare(tmp_path, "--seed", "0")
     before = {f.name: f.read_bytes() for f in out.iterdir()}
