@@ -67,7 +67,7 @@ class CodeTask(Task):
         return train[:n] if n else train
 
     def heldout(self, arg: str, n: int, seed: int, data: DataConfig) -> list[Problem]:
-        named = (parse_prepared(arg) or (None, None))[1]
+        named = (parse_prepared(arg) or (None, None))[1]  # prepared:DIR@train asks for the train side
         return code_side(arg or "humaneval", named or "test", seed, data.train_fraction)[:n]
 
     def eval_seed(self, data: DataConfig) -> int:
