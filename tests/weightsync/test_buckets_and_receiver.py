@@ -232,3 +232,28 @@ def test_update_aborted_is_raised_for_a_bucket_that_finishes_after_being_superse
             await a.receive(slow(), 0)
 
     asyncio.run(run())
+
+
+def test_every_bucket_of_an_update_comes_from_the_sender_of_its_first(tmp_path):
+    """In a fan-out tree a worker's parent may give up on it and serve its children itself while it
+    goes on sending: its buckets must not interleave with the new sender's (tag: each sender's)."""
+    bodies = _bodies(_named(), version=2)
+    a = WeightAssembler(tmp_path / "w")
+    stopped = []
+
+    async def run():
+        _, old = await a.receive(_chunks(bodies[0]), 0, tag="parent-a")
+        old.on_abort.append(lambda: stopped.append("relay"))
+        await a.receive(_chunks(bodies[1]), 0, tag="parent-a")
+        _, new = await a.receive(_chunks(bodies[0]), 0, tag="parent-b")  # bucket 0 from elsewhere supersedes
+        assert old.aborted and stopped == ["relay"] and new.tag == "parent-b"
+        with pytest.raises(BucketOrderError, match="another sender"):
+            await a.receive(_chunks(bodies[1]), 0, tag="parent-a")
+        with pytest.raises(BucketOrderError, match="another sender"):
+            await a.receive(_chunks(bodies[1]), 0)  # nor a direct push's
+        for body in bodies[1:]:
+            await a.receive(_chunks(body), 0, tag="parent-b")
+        return new
+
+    new = asyncio.run(run())
+    assert new.next_index == new.count and not new.aborted

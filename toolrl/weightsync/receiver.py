@@ -13,7 +13,7 @@ import itertools
 import mmap
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -70,12 +70,18 @@ class Update:
     bytes: int = 0
     aborted: bool = False
     task: "asyncio.Task | None" = None  # the worker's load, started at the first bucket
+    # Who sends it: the fan-out plan's tag, one per sender and update (None: a direct push). Every
+    # bucket must come from the sender of bucket 0, so two senders' buckets never interleave.
+    tag: str | None = None
+    on_abort: list[Callable[[], None]] = field(default_factory=list)  # a relay stops serving it
 
     def abort(self) -> None:
         """Tell a loader waiting for this update's next bucket to give up."""
         self.aborted = True
         with contextlib.suppress(OSError):
             (self.dir / abort_file(self.id)).touch()
+        for f in self.on_abort:
+            f()
 
 
 class _Slot:
@@ -118,7 +124,8 @@ class WeightAssembler:
         self._ids = itertools.count(1)
         self._slots: dict[int, _Slot] = {}
 
-    async def _admit(self, b: WeightBucket, min_version: int, on_new: Callable[[Update], None]) -> Update:
+    async def _admit(self, b: WeightBucket, min_version: int, on_new: Callable[[Update], None],
+                     tag: str | None) -> Update:
         """Check a bucket's place as soon as its header is in: before its body is received."""
         if b.version < min_version:
             raise BucketOrderError(f"version {b.version} is older than the loaded {min_version}")
@@ -131,20 +138,24 @@ class WeightAssembler:
                 done, _ = await asyncio.wait({u.task}, timeout=self.wait_s)
                 if not done:
                     raise BucketOrderError(f"version {u.version} is still loading after {self.wait_s:.0f}s")
-            self.update = u = Update(next(self._ids), b.version, b.count, self.out_dir)
+            self.update = u = Update(next(self._ids), b.version, b.count, self.out_dir, tag=tag)
             on_new(u)
             return u
         if u is None or u.aborted or b.version != u.version or b.index != u.next_index or b.count != u.count:
             want = "bucket 0 of a new update" if u is None or u.aborted else \
                 f"bucket {u.next_index}/{u.count} of version {u.version}"
             raise BucketOrderError(f"expected {want}, got {b.index}/{b.count} of version {b.version}")
+        if tag != u.tag:  # a relay that was replaced (its parent gave up on it) and goes on sending
+            raise BucketOrderError(f"bucket {b.index}/{b.count} of version {b.version} comes from another sender "
+                                   f"than the update's first bucket")
         return u
 
     async def receive(self, chunks: AsyncIterator[bytes], min_version: int = 0,
-                      on_new: Callable[[Update], None] = lambda u: None) -> tuple[WeightBucket, Update]:
+                      on_new: Callable[[Update], None] = lambda u: None,
+                      tag: str | None = None) -> tuple[WeightBucket, Update]:
         """Stream one bucket from `chunks` into its slot. Raises WireFormatError for a bad payload
         and BucketOrderError for one out of place; a bad payload aborts the update it was part of,
-        since that update can no longer complete."""
+        since that update can no longer complete. `tag`: the sender's (Update.tag)."""
         update: Update | None = None
         slot: _Slot | None = None
         pos = 0
@@ -161,7 +172,7 @@ class WeightAssembler:
                     reader.feed(chunk, hold=True)  # up to the header: nothing goes to the sink yet
                     if reader.bucket is None:
                         continue
-                    update = await self._admit(reader.bucket, min_version, on_new)
+                    update = await self._admit(reader.bucket, min_version, on_new, tag)
                     slot = self._slots.setdefault(reader.bucket.index,
                                                   _Slot(self.out_dir / bucket_file(reader.bucket.index)))
                     slot.open(reader.total)
