@@ -17,7 +17,12 @@ import torch
 
 
 class WeightSyncError(RuntimeError):
-    """The learner could not bring a worker to a version (it names the worker and the step)."""
+    """A sender could not bring a worker to a version (it names the worker and the step). `tree`:
+    what the worker reported about the workers below it in a fan-out tree, when it did."""
+
+    def __init__(self, message: str, tree: dict | None = None):
+        super().__init__(message)
+        self.tree = tree
 
 
 class BucketOrderError(ValueError):
