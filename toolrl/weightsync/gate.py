@@ -13,8 +13,9 @@ Tokens are only ever generated with the gate open, so no token's recorded versio
 
 If a load fails part-way the weights are a mix: `weights_ok` turns false, the gate stays closed and
 /health says so until a whole update loads. Updates arrive as HTTP buckets (`receive_bucket`,
-streamed into slot files by toolrl.weightsync.receiver while the engine loads them) or by broadcast
-on a joined process group (`join_group`, `receive_broadcast`; toolrl.weightsync.process_group).
+streamed into slot files by toolrl.weightsync.receiver while the engine loads them; with a fan-out
+plan the worker also relays them to its children, toolrl.weightsync.relay) or by broadcast on a
+joined process group (`join_group`, `receive_broadcast`; toolrl.weightsync.process_group).
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from toolrl.net import wait_for
+from toolrl.weightsync.fanout import FanoutPlan
 from toolrl.weightsync.receiver import Update, WeightAssembler
+from toolrl.weightsync.relay import FailedWithTree, Relay
 from toolrl.weightsync.transport import BucketOrderError, UpdateAborted
 
 log = logging.getLogger("gen_worker")
@@ -42,11 +45,14 @@ class Segment:
 
 
 class WeightGate:
-    """`engine` needs load_buckets, load_broadcast, join_group, abort and abort_all (toolrl.worker.engine)."""
+    """`engine` needs load_buckets, load_broadcast, join_group, abort and abort_all (toolrl.worker.engine).
+    `token`: the rollout token, sent to the workers this one relays updates to."""
 
     def __init__(self, engine, assembler: WeightAssembler, drain_timeout_s: float, sync_timeout_s: float,
-                 on_loaded: Callable[[int, float], None] = lambda version, reload_s: None, name: str = ""):
-        self.engine, self.assembler, self.name = engine, assembler, name
+                 on_loaded: Callable[[int, float], None] = lambda version, reload_s: None, name: str = "",
+                 token: str | None = None):
+        self.engine, self.assembler, self.name, self.token = engine, assembler, name, token
+        self.relay: Relay | None = None  # the current update's, when its plan names children
         self.drain_timeout_s, self.sync_timeout_s = drain_timeout_s, sync_timeout_s
         self.on_loaded = on_loaded
         self.version = 0
@@ -100,15 +106,34 @@ class WeightGate:
         task.add_done_callback(self.tasks.discard)
 
     # -- HTTP buckets ---------------------------------------------------------------------------
-    async def receive_bucket(self, chunks: AsyncIterator[bytes]) -> dict:
+    async def receive_bucket(self, chunks: AsyncIterator[bytes], plan: FanoutPlan | None = None) -> dict:
         """One bucket of an update (POST /update_weights), streamed to a file as it arrives. The
-        first bucket starts the load; the answer to the last one waits for it."""
-        bucket, update = await self.assembler.receive(chunks, self.version, self._start_load)
+        first bucket starts the load (and, when `plan` names children, the relay to them); the
+        answer to the last one waits for the load, and for the relay's report under "tree"."""
+        bucket, update = await self.assembler.receive(chunks, self.version, lambda u: self._start(u, plan),
+                                                      tag=plan.tag if plan else None)
+        relay = self.relay if self.relay is not None and self.relay.update is update else None
+        if relay is not None:
+            relay.bucket_whole(bucket.index)
         if not bucket.last:
             return {"version": bucket.version, "loaded": False, "received": bucket.index + 1, "of": bucket.count}
         if update.task is None:
             raise UpdateAborted(f"version {bucket.version} has no load under way")
-        return await asyncio.shield(update.task)  # a dropped connection must not cancel the load
+        if relay is None:
+            return await asyncio.shield(update.task)  # a dropped connection must not cancel the load
+        try:
+            answer = await asyncio.shield(update.task)
+        except Exception as exc:  # the slots are whole: what the relay served still counts
+            raise FailedWithTree(exc, await relay.report()) from exc
+        return {**answer, "tree": await relay.report()}
+
+    def _start(self, update: Update, plan: FanoutPlan | None) -> None:
+        """A new update: it supersedes what is left of the last one's relay, which must stop reading
+        the slot files before this update overwrites them."""
+        if self.relay is not None:
+            self.relay.stop()
+        self.relay = Relay(update, plan, self.token, self.name) if plan is not None and plan.children else None
+        self._start_load(update)
 
     def _start_load(self, update: Update) -> None:
         async def load() -> float:

@@ -7,12 +7,15 @@ from typing import Literal
 
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
 from toolrl.tasks import DataError, load_task, task_seed
 from toolrl.protocol import PayloadTooLarge, WireFormatError
 from toolrl.weightsync.buckets import MAX_WEIGHTS_BYTES
+from toolrl.weightsync.fanout import PLAN_HEADER, PlanError, parse_plan
+from toolrl.weightsync.relay import FailedWithTree
 from toolrl.weightsync.transport import BucketOrderError, UpdateAborted
 from toolrl.net import bearer_auth, cap_request_bodies, install_error_handlers
 
@@ -111,25 +114,38 @@ def build_app(worker) -> FastAPI:
 
     @app.post("/update_weights", dependencies=[auth])
     async def update_weights(request: Request):
-        """One bucket of a weight update, streamed to disk as it arrives (toolrl.weightsync.http)."""
+        """One bucket of a weight update, streamed to disk as it arrives (toolrl.weightsync.http). With
+        the fan-out plan header, also relayed to the children it names (toolrl.weightsync.relay)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > MAX_WEIGHTS_BYTES:
             raise HTTPException(status_code=413, detail=f"body of {declared} bytes is over the limit of "
                                                         f"{MAX_WEIGHTS_BYTES}")
+        raw_plan = request.headers.get(PLAN_HEADER)
         try:
-            return await worker.gate.receive_bucket(request.stream())
-        except PayloadTooLarge as exc:
-            raise HTTPException(status_code=413, detail=str(exc)) from None
-        except WireFormatError as exc:
-            raise HTTPException(status_code=400, detail=f"bad weight bucket: {exc}") from None
-        except (BucketOrderError, UpdateAborted) as exc:
-            raise HTTPException(status_code=409, detail=str(exc)) from None
-        except ClientDisconnect:
-            log.warning("weight update: the sender went away mid-bucket")
-            raise HTTPException(status_code=400, detail="body ended early") from None
+            plan = parse_plan(raw_plan) if raw_plan is not None else None
+        except PlanError as exc:  # refused before a byte of the body is read
+            raise HTTPException(status_code=400, detail=f"bad fan-out plan: {exc}") from None
+        try:
+            return await worker.gate.receive_bucket(request.stream(), plan)
+        except FailedWithTree as exc:  # this worker failed; the outcomes below it still go up
+            status, detail = _bucket_failure(exc.cause)
+            return JSONResponse(status_code=status, content={"detail": detail, "tree": exc.tree})
         except Exception as exc:
-            log.exception("weight load failed")
-            raise HTTPException(status_code=500, detail=f"loading the weight update failed: {exc}") from None
+            status, detail = _bucket_failure(exc)
+            raise HTTPException(status_code=status, detail=detail) from None
+
+    def _bucket_failure(exc: Exception) -> tuple[int, str]:
+        if isinstance(exc, PayloadTooLarge):
+            return 413, str(exc)
+        if isinstance(exc, WireFormatError):
+            return 400, f"bad weight bucket: {exc}"
+        if isinstance(exc, (BucketOrderError, UpdateAborted)):
+            return 409, str(exc)
+        if isinstance(exc, ClientDisconnect):
+            log.warning("weight update: the sender went away mid-bucket")
+            return 400, "body ended early"
+        log.error("weight load failed", exc_info=exc)
+        return 500, f"loading the weight update failed: {exc}"
 
     @app.post("/weight_group", dependencies=[auth])
     async def weight_group(req: GroupRequest):

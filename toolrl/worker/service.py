@@ -51,7 +51,7 @@ class GenWorker:
         assembler = WeightAssembler(shm / f"toolrl-weights-{self.worker_id}-{os.getpid()}",
                                     wait_s=cfg.rollout.drain_timeout_s + cfg.learner.sync_timeout_s)
         self.gate = WeightGate(self.agent.engine, assembler, cfg.rollout.drain_timeout_s, cfg.learner.sync_timeout_s,
-                               on_loaded=self._loaded, name=self.worker_id)
+                               on_loaded=self._loaded, name=self.worker_id, token=cfg.rollout.token)
         self.agent.gate = self.gate
 
     def _loaded(self, version: int, reload_s: float) -> None:

@@ -1,0 +1,158 @@
+"""A worker's side of the fan-out tree: it relays the update it receives to its children.
+
+One ordered sender per child forwards bucket i as soon as it is whole here, while later buckets
+still arrive: the bytes of its slot file, which are the bytes this worker received (header and
+body), so the child checks version, order and checksum again with the normal receiver. All the
+senders share one `Egress` capped at the plan's `max_mb_s`: this worker's link.
+
+A child that fails (refuses a bucket, cannot be reached, or is silent past the hop timeout) is
+reported failed, and this worker serves the child's children itself, from bucket 0 of the update:
+the slot files hold the whole update until the next one. What a failed child reported about its
+subtree (its own load failed but its relay finished) is kept, and those workers are not served
+again. The answer to this worker's last bucket waits for the relay, at most a hop timeout per
+level below (`report`); workers not served by then are reported failed.
+
+Item 3 of issue 22 (delta updates) will forward what was received for a bucket, which may differ
+from the slot's full bytes: `_bucket_bytes` is the one place that reads what is forwarded.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import AsyncIterator
+
+import httpx
+
+from toolrl.net import auth_headers
+from toolrl.protocol import CONTENT_TYPE
+from toolrl.weightsync.egress import Egress
+from toolrl.weightsync.fanout import PLAN_HEADER, FanoutPlan, PlanNode, outcomes_of, plan_for, reported_below
+from toolrl.weightsync.http import refused
+from toolrl.weightsync.receiver import Update, bucket_file
+from toolrl.weightsync.transport import WeightSyncError
+
+log = logging.getLogger("gen_worker")
+
+
+class UpstreamStopped(Exception):
+    """This worker's own update stopped arriving (cut short, superseded, or silent): there is
+    nothing more to relay, and this worker's parent serves its children instead."""
+
+
+class FailedWithTree(Exception):
+    """This worker's own update failed after its relay had served the workers below: their
+    outcomes still go up the tree with the error."""
+
+    def __init__(self, cause: Exception, tree: dict[str, dict]):
+        super().__init__(str(cause))
+        self.cause, self.tree = cause, tree
+
+
+class Relay:
+    """Relays one update (`update`, being received here) down `plan`. Started at its first bucket;
+    `bucket_whole(i)` is called as each bucket lands; `report()` after the last one."""
+
+    def __init__(self, update: Update, plan: FanoutPlan, token: str | None, name: str = ""):
+        self.update, self.plan, self.token, self.name = update, plan, token, name or "worker"
+        self.egress = Egress(plan.max_mb_s)
+        self.whole = 0  # buckets of the update whole (verified) in their slot files here
+        self.outcomes: dict[str, dict] = {}  # worker id -> its answer to the last bucket, or {"error"}
+        self._changed = asyncio.Event()
+        update.on_abort.append(self._notify)
+        self._client = httpx.AsyncClient(timeout=plan.timeout_s)
+        self.task = asyncio.create_task(self._run())
+
+    def bucket_whole(self, index: int) -> None:
+        self.whole = max(self.whole, index + 1)
+        self._notify()
+
+    def stop(self) -> None:
+        """A newer update supersedes this one: stop reading its slots (before they are overwritten)."""
+        self.task.cancel()
+
+    async def report(self) -> dict[str, dict]:
+        """The outcome of every worker below this one, once the relay is done or the hop timeout per
+        level below has passed (then those not served yet are reported failed, and the relay stops)."""
+        limit = self.plan.timeout_s * max(1, self.plan.height)
+        done, _ = await asyncio.wait({self.task}, timeout=limit)
+        why = "a newer update superseded this one" if self.task.cancelled() else f"not within {limit:.0f}s"
+        if not done:
+            self.stop()
+        out = dict(self.outcomes)
+        for n in (n for c in self.plan.children for n in c.walk()):
+            out.setdefault(n.id, {"error": f"{self.name} did not finish serving it: {why}"})
+        return out
+
+    # -- the senders ----------------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            await asyncio.gather(*(self._serve(c) for c in self.plan.children))
+        finally:
+            await self._client.aclose()
+
+    async def _serve(self, node: PlanNode) -> None:
+        """Send the whole update to `node`; if it fails, report it and serve its children instead."""
+        try:
+            answer = await self._send(node)
+        except UpstreamStopped:
+            return
+        except Exception as exc:  # refused, unreachable, silent past the timeout: route around it
+            self.outcomes[node.id] = {"error": str(exc)}
+            reported = reported_below(node, getattr(exc, "tree", None))
+            self.outcomes.update(reported)
+            orphans = [c for c in node.children if c.id not in reported]
+            log.warning("relay to %s failed (%s)%s", node.id, exc,
+                        f"; serving its children {[c.id for c in orphans]} from here" if orphans else "")
+            await asyncio.gather(*(self._serve(c) for c in orphans))
+            return
+        self.outcomes.update(outcomes_of(node, answer))
+
+    async def _send(self, node: PlanNode) -> dict:
+        """Every bucket of the update to one child, in order, each once it is whole here."""
+        plan = plan_for(node, self.plan.timeout_s, self.plan.max_mb_s)
+        u, t = self.update, self.plan.timeout_s
+        answer: dict = {}
+        for i in range(u.count):
+            await self._whole(i)
+            path = u.dir / bucket_file(i)
+            last = i + 1 == u.count
+            # the answer to the last bucket waits for the child's load and its own relay below it
+            wait = httpx.Timeout(t, read=t * (node.height + 1) if last else t)
+            headers = {"Content-Type": CONTENT_TYPE, "Content-Length": str(path.stat().st_size),
+                       PLAN_HEADER: plan.header(), **auth_headers(self.token)}
+            try:
+                resp = await self._client.post(f"{node.url}/update_weights", content=self._bucket_bytes(path),
+                                               headers=headers, timeout=wait)
+            except httpx.HTTPError as exc:
+                raise WeightSyncError(f"{node.id}: bucket {i + 1}/{u.count} of version {u.version}: "
+                                      f"{type(exc).__name__}: {exc}") from None
+            if resp.status_code != 200:
+                raise refused(node.id, i, u.count, u.version, resp)
+            answer = resp.json()
+        return answer
+
+    async def _whole(self, index: int) -> None:
+        """Wait until bucket `index` is whole here (at most a hop timeout)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.plan.timeout_s
+        while self.whole <= index:
+            if self.update.aborted:
+                raise UpstreamStopped(f"the update was cut short before bucket {index} was whole here")
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                raise UpstreamStopped(f"bucket {index} did not arrive here within {self.plan.timeout_s:.0f}s") from None
+
+    async def _bucket_bytes(self, path: Path) -> AsyncIterator[bytes]:
+        """What is forwarded for a bucket: its slot file as received, in paced chunks. Read through
+        its own file handle (not the slot's mapping, which the next update may resize)."""
+        with open(path, "rb") as f:
+            while chunk := f.read(self.egress.chunk):
+                await self.egress.apace(len(chunk))
+                yield chunk
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
