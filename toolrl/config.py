@@ -338,12 +338,26 @@ class LearnerConfig(Section):
     sync_transport: Literal["http", "process_group"] = "http"
     sync_host: str = "127.0.0.1"
     sync_bucket_mb: int = Field(64, ge=1)
-    sync_timeout_s: float = Field(120.0, gt=0)
+    sync_timeout_s: float = Field(120.0, gt=0)  # per request; with sync_fanout, per hop of the tree
     sync_retries: int = Field(3, ge=0)
+    # http: 0, the learner pushes the weights to every worker itself. k > 0: it sends each bucket once,
+    # to one root worker, and every worker relays each bucket to at most k children while it loads it
+    # (toolrl.weightsync.relay): the learner's egress is one copy whatever the number of workers. A
+    # worker that fails is routed around and caught up later by a direct push.
+    sync_fanout: int = Field(0, ge=0, le=64)
+    # http: cap each sender's egress in MiB/s (the learner's, and each relaying worker's, which the
+    # plan passes on), to leave bandwidth for other traffic. None: as fast as the link goes.
+    sync_max_mb_s: float | None = Field(None, gt=0)
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     checkpoint_dir: str = "runs/checkpoints"
     batch_timeout_s: float = Field(600.0, gt=0)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    @model_validator(mode="after")
+    def _http_only(self) -> "LearnerConfig":
+        if self.sync_transport != "http" and (self.sync_fanout or self.sync_max_mb_s is not None):
+            raise ValueError("learner.sync_fanout and learner.sync_max_mb_s apply to sync_transport: http only")
+        return self
 
 
 class EvalConfig(Section):

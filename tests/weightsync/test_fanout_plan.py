@@ -1,5 +1,5 @@
 """The fan-out tree without processes: its plan (shape, header, what a worker refuses), what the
-learner makes of the outcomes it gets back, and the egress cap.
+learner makes of the outcomes it gets back, the egress cap, and the config that turns it on.
 (tests/weightsync/test_fanout_tree.py sends real updates down trees of real receivers.)"""
 import json
 import threading
@@ -7,9 +7,11 @@ import time
 
 import pytest
 
+from toolrl.config import ConfigError, load_config
 from toolrl.weightsync.egress import MIB, Egress
 from toolrl.weightsync.fanout import (MAX_DEPTH, MAX_PLAN_BYTES, PlanError, PlanNode, make_plans,
                                       outcomes_of, parse_plan, plan_for)
+from toolrl.weightsync.pusher import WeightSync
 
 
 def _workers(n, url="http://127.0.0.1:{port}"):
@@ -102,3 +104,83 @@ def test_egress_counts_every_byte_and_holds_its_cap_across_threads():
     took = time.monotonic() - t0
     assert capped.sent == 8 * MIB
     assert 7 / 16 - 0.02 <= took < 1.5  # 8 MiB at 16 MiB/s; the first chunk goes at once
+
+
+def test_fanout_is_an_http_option():
+    cfg = load_config("configs/cpu_tiny.yaml", ["learner.sync_fanout=2", "learner.sync_max_mb_s=100"])
+    assert cfg.learner.sync_fanout == 2 and cfg.learner.sync_max_mb_s == 100
+    assert load_config("configs/cpu_tiny.yaml").learner.sync_fanout == 0  # default: direct pushes
+    with pytest.raises(ConfigError, match="sync_transport: http only"):
+        load_config("configs/cpu_tiny.yaml", ["learner.sync_transport=process_group", "learner.sync_fanout=2"])
+    with pytest.raises(ConfigError, match="sync_fanout"):
+        load_config("configs/cpu_tiny.yaml", ["learner.sync_fanout=-1"])
+
+
+class Registry:
+    def __init__(self, workers):
+        self.list, self.versions = workers, []
+
+    def workers(self):
+        return [dict(w) for w in self.list]
+
+    def set_version(self, v):
+        self.versions.append(v)
+
+
+class FakeTree:
+    """push_tree as the HTTP transport answers it, for workers that are `dead` (a dead root reports
+    nothing; a dead worker inside the tree is reported failed by its parent, whose relay serves its
+    children), and a record of the direct pushes."""
+
+    def __init__(self, dead=()):
+        self.dead, self.roots, self.direct = set(dead), [], []
+
+    def push_tree(self, root: PlanNode, named, version):
+        self.roots.append(_shape(root))
+        if root.id in self.dead:
+            return {root.id: {"error": "connection refused"}}
+        return {n.id: {"error": "gone"} if n.id in self.dead else {"version": version, "loaded": True}
+                for n in root.walk()}
+
+    def push(self, worker, named, version):
+        self.direct.append(worker["id"])
+        return {"version": version, "loaded": True}
+
+    def forget(self, live):
+        pass
+
+
+def _sync(transport, workers, *sets):
+    cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "learner.sync_fanout=2", *sets])
+    return WeightSync(cfg, Registry(workers), transport=transport)
+
+
+def test_the_learner_records_each_worker_of_the_tree_and_plans_again_without_a_failed_root():
+    t = FakeTree(dead={"w0", "w2"})
+    s = _sync(t, _workers(5), "learner.sync_retries=1")
+    res = s.push([], 7)
+    # w0 was the root and reported nothing: the other four were planned again, under w1 (w2, dead
+    # inside the tree, was reported by its parent, whose relay served w4 instead)
+    assert t.roots == [{"w0": [{"w1": ["w3", "w4"]}, "w2"]}, {"w1": [{"w2": ["w4"]}, "w3"]}]
+    assert res["workers_ok"] == 3 and sorted(res["failed"]) == ["w0", "w2"]
+    assert sorted(s.failures) == ["w0", "w2"] and s.pushed[("w1", "http://127.0.0.1:8301")] == 7
+    t.dead.clear()
+    s.push([], 8)  # the workers that failed go last: they carry no subtree
+    assert t.roots[-1] == {"w1": [{"w3": ["w0", "w2"]}, "w4"]}
+    assert s.catch_up(lambda: [], 9) == 5 and sorted(t.direct) == [f"w{i}" for i in range(5)]  # direct
+
+
+def test_re_planning_after_failed_roots_is_bounded():
+    t = FakeTree(dead={"w0", "w1", "w2", "w3"})
+    s = _sync(t, _workers(5), "learner.sync_retries=2", "learner.sync_fanout=1")
+    res = s.push([], 1)
+    assert len(t.roots) == 3 and res["workers_ok"] == 0
+    assert res["failed"]["w4"] == "not reached: the tree's root failed 3 times"
+    assert not t.direct
+
+
+def test_fanout_zero_pushes_to_every_worker_directly():
+    t = FakeTree()
+    s = _sync(t, _workers(3), "learner.sync_fanout=0")
+    assert s.push([], 1)["workers_ok"] == 3
+    assert sorted(t.direct) == ["w0", "w1", "w2"] and not t.roots

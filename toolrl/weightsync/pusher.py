@@ -4,6 +4,12 @@ transport (toolrl.weightsync.transport), then tell the reference server the new 
 A worker that fails is retried `sync_retries` times with backoff, then reported and
 remembered: it is brought up to date at the next chance (`catch_up`), so a flaky or late worker
 never silently keeps stale weights.
+
+With `learner.sync_fanout` (http) the learner sends the update once, down a tree of the workers
+(toolrl.weightsync.fanout), and learns every worker's outcome from the root's answer. A worker
+that fails inside the tree is routed around by its parent and caught up later by a direct push;
+if the root fails, the workers it did not report on are planned again and sent the update again,
+at most `sync_retries` more times.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from urllib.parse import urlsplit
 
 from toolrl.config import Config
 from toolrl.net import RetryPolicy
+from toolrl.weightsync.fanout import make_plans
 from toolrl.weightsync.http import HttpTransport
 from toolrl.weightsync.process_group import ProcessGroupTransport
 from toolrl.weightsync.transport import Transport, WeightSyncError
@@ -38,7 +45,7 @@ def make_transport(cfg: Config) -> Transport:
     lc = cfg.learner
     if lc.sync_transport == "process_group":
         return ProcessGroupTransport(lc.sync_host, cfg.rollout.token, lc.sync_timeout_s, cfg.rollout.drain_timeout_s)
-    return HttpTransport(cfg.rollout.token, lc.sync_bucket_mb, lc.sync_timeout_s)
+    return HttpTransport(cfg.rollout.token, lc.sync_bucket_mb, lc.sync_timeout_s, lc.sync_max_mb_s)
 
 
 class WeightSync:
@@ -76,24 +83,27 @@ class WeightSync:
                           "without a token, and that host is not in rollout.trusted_hosts", w["id"], w["url"])
         return ok
 
-    def push(self, named, version: int, workers: list[dict] | None = None) -> dict:
-        """Push to the given (default: all live) workers in parallel; report who failed."""
+    def push(self, named, version: int, workers: list[dict] | None = None, direct: bool = False) -> dict:
+        """Push to the given (default: all live) workers, in parallel or down the fan-out tree (unless
+        `direct`); report who failed."""
         t0 = time.time()
         workers = self.trusted(self.ref.workers() if workers is None else workers)
+        egress = getattr(self.transport, "egress", None)
+        sent0 = egress.sent if egress is not None else 0
+        fanout = self.cfg.learner.sync_fanout
+        outcomes = self._push_tree(named, version, workers, fanout) if fanout and not direct and len(workers) > 1 \
+            else self._push_direct(named, version, workers)
         ok, failed = {}, {}
-        if workers:
-            with cf.ThreadPoolExecutor(max_workers=min(8, len(workers))) as pool:
-                futs = {pool.submit(self._push_one, w, named, version): w for w in workers}
-                for fut in cf.as_completed(futs):
-                    w = futs[fut]
-                    try:
-                        ok[w["id"]] = fut.result()
-                        self.failures.pop(w["id"], None)
-                        self.pushed[(w["id"], w["url"])] = version
-                    except Exception as exc:  # reported, remembered, retried at the next catch-up
-                        failed[w["id"]] = str(exc)
-                        self.failures[w["id"]] = str(exc)
-                        log.error("worker %s did not take version %d: %s", w["id"], version, exc)
+        for w in workers:
+            a = outcomes.get(w["id"]) or {"error": "no outcome"}
+            if "error" in a or a.get("version") != version or not a.get("loaded"):
+                # reported, remembered, retried at the next catch-up
+                failed[w["id"]] = self.failures[w["id"]] = a.get("error") or f"did not confirm version {version}: {a}"
+                log.error("worker %s did not take version %d: %s", w["id"], version, failed[w["id"]])
+            else:
+                ok[w["id"]] = a
+                self.failures.pop(w["id"], None)
+                self.pushed[(w["id"], w["url"])] = version
         self.ref.set_version(version)
         self.last = {"version": version, "workers_ok": len(ok), "workers_failed": len(failed),
                      "sync_s": time.time() - t0,
@@ -102,7 +112,44 @@ class WeightSync:
                      # them: milliseconds; draining them: until they finished)
                      "drain_s_max": max((a.get("drain_s", 0.0) for a in ok.values()), default=0.0),
                      "interrupted": sum(a.get("interrupted", 0) for a in ok.values())}
+        if egress is not None:
+            self.last["egress_bytes"] = egress.sent - sent0  # what left the learner for this push
         return {**self.last, "failed": failed}
+
+    def _push_direct(self, named, version: int, workers: list[dict]) -> dict[str, dict]:
+        """The learner sends every worker the update itself. -> {id: its answer, or {"error"}}"""
+        outcomes: dict[str, dict] = {}
+        if workers:
+            with cf.ThreadPoolExecutor(max_workers=min(8, len(workers))) as pool:
+                futs = {pool.submit(self._push_one, w, named, version): w for w in workers}
+                for fut in cf.as_completed(futs):
+                    try:
+                        outcomes[futs[fut]["id"]] = fut.result()
+                    except Exception as exc:
+                        outcomes[futs[fut]["id"]] = {"error": str(exc)}
+        return outcomes
+
+    def _push_tree(self, named, version: int, workers: list[dict], fanout: int) -> dict[str, dict]:
+        """The update once down a tree of `workers`; a root that fails takes no outcome with it for
+        the workers below it, who are planned again without it (at most `sync_retries` more times)."""
+        outcomes: dict[str, dict] = {}
+        # workers that failed last time go last, as leaves: a flaky worker should carry no subtree
+        left = sorted(workers, key=lambda w: w["id"] in self.failures)
+        for attempt in range(self.retry.retries + 1):
+            roots = make_plans(left, fanout)
+            with cf.ThreadPoolExecutor(max_workers=len(roots)) as pool:
+                for got in pool.map(lambda r: self.transport.push_tree(r, named, version), roots):
+                    outcomes.update(got)
+            left = [w for w in left if w["id"] not in outcomes]
+            if not left:
+                break
+            log.warning("the tree's root failed before reporting on %d worker(s); planning them again (%d/%d): %s",
+                        len(left), attempt + 1, self.retry.retries + 1, [r.id for r in roots])
+            if attempt < self.retry.retries:
+                time.sleep(self.retry.delay(attempt))
+        for w in left:
+            outcomes[w["id"]] = {"error": f"not reached: the tree's root failed {self.retry.retries + 1} times"}
+        return outcomes
 
     def catch_up(self, state_fn, version: int) -> int:
         """Push the current weights to live workers that are behind (late joiners, earlier failures)."""
@@ -116,5 +163,5 @@ class WeightSync:
         if not behind:
             return 0
         log.info("bringing %d worker(s) up to version %d: %s", len(behind), version, [w["id"] for w in behind])
-        res = self.push(state_fn(), version, workers=behind)
+        res = self.push(state_fn(), version, workers=behind, direct=True)  # a flaky worker relays to no one
         return res["workers_ok"]
