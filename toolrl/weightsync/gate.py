@@ -29,7 +29,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from toolrl.net import wait_for
 from toolrl.weightsync.fanout import FanoutPlan
 from toolrl.weightsync.receiver import Update, WeightAssembler
-from toolrl.weightsync.relay import FailedWithTree, Relay
+from toolrl.weightsync.relay import Relay
 from toolrl.weightsync.transport import BucketOrderError, UpdateAborted
 
 log = logging.getLogger("gen_worker")
@@ -106,10 +106,12 @@ class WeightGate:
         task.add_done_callback(self.tasks.discard)
 
     # -- HTTP buckets ---------------------------------------------------------------------------
-    async def receive_bucket(self, chunks: AsyncIterator[bytes], plan: FanoutPlan | None = None) -> dict:
+    async def receive_bucket(self, chunks: AsyncIterator[bytes],
+                             plan: FanoutPlan | None = None) -> dict | asyncio.Future:
         """One bucket of an update (POST /update_weights), streamed to a file as it arrives. The
         first bucket starts the load (and, when `plan` names children, the relay to them); the
-        answer to the last one waits for the load, and for the relay's report under "tree"."""
+        answer to the last one waits for the load. For a relayed update that answer is a future
+        (the route heartbeats while it waits; toolrl.weightsync.relay.heartbeats)."""
         bucket, update = await self.assembler.receive(chunks, self.version, lambda u: self._start(u, plan),
                                                       tag=plan.tag if plan else None)
         relay = self.relay if self.relay is not None and self.relay.update is update else None
@@ -121,10 +123,17 @@ class WeightGate:
             raise UpdateAborted(f"version {bucket.version} has no load under way")
         if relay is None:
             return await asyncio.shield(update.task)  # a dropped connection must not cancel the load
+        return asyncio.ensure_future(self._answer_with_tree(update, relay))
+
+    async def _answer_with_tree(self, update: Update, relay: Relay) -> dict:
+        """This worker's answer (or its error) and, under "tree", the outcomes below it: those go up
+        even when this worker's own load failed, since its slots were whole for the relay."""
         try:
             answer = await asyncio.shield(update.task)
-        except Exception as exc:  # the slots are whole: what the relay served still counts
-            raise FailedWithTree(exc, await relay.report()) from exc
+        except Exception as exc:
+            log.error("loading version %d failed: %s", update.version, exc)
+            answer = {"version": update.version, "loaded": False, "worker_id": self.name,
+                      "error": f"loading the weight update failed: {type(exc).__name__}: {exc}"}
         return {**answer, "tree": await relay.report()}
 
     def _start(self, update: Update, plan: FanoutPlan | None) -> None:

@@ -42,14 +42,12 @@ class HttpTransport:
 
     def push_tree(self, root: PlanNode, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, dict]:
         """Send an update once, to `root`, with the plan of its subtree. -> the outcome of every
-        worker in the tree, by id: its answer to the last bucket, or {"error"}. A root that fails
-        reports nothing about the workers below it unless its error answer carries their outcomes."""
+        worker in the tree, by id: its answer to the last bucket, or {"error"}. A root whose own load
+        failed still reports the workers below it; one that fails otherwise reports none of them."""
         plan = plan_for(root, self.timeout_s, self.egress.max_mb_s)
-        try:
-            # each level below may take a hop timeout to give up on a silent child (toolrl.weightsync.relay)
+        try:  # the root's last answer heartbeats while its subtree finishes (toolrl.weightsync.relay)
             answer = push_weights(root.url, named, version, token=self.token, bucket_mb=self.bucket_mb,
-                                  timeout_s=self.timeout_s, egress=self.egress, headers={PLAN_HEADER: plan.header()},
-                                  answer_timeout_s=self.timeout_s * (root.height + 1))
+                                  timeout_s=self.timeout_s, egress=self.egress, headers={PLAN_HEADER: plan.header()})
         except WeightSyncError as exc:
             return {root.id: {"error": str(exc)}, **reported_below(root, exc.tree)}
         return outcomes_of(root, answer)
@@ -60,14 +58,12 @@ class HttpTransport:
 
 def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int, *, token: str | None = None,
                  bucket_mb: int = 64, timeout_s: float = 120.0, client: httpx.Client | None = None,
-                 egress: Egress | None = None, headers: dict[str, str] | None = None,
-                 answer_timeout_s: float | None = None) -> dict:
+                 egress: Egress | None = None, headers: dict[str, str] | None = None) -> dict:
     """Send a full set of weights to one worker; returns its final answer (with `reload_s`).
 
     Each bucket is streamed from the tensors' own memory (no serialised copy); the next bucket's
     header and checksum are computed in a thread while this one is on the wire. `egress` counts
-    (and paces) the bytes; `headers` go with every bucket; `answer_timeout_s` (default
-    `timeout_s`) is how long the answer to the last bucket may take."""
+    (and paces) the bytes; `headers` go with every bucket."""
     # The worker loads each bucket as the next one arrives: send the smallest first, so loading
     # starts soonest, then the biggest, so what is left after the last byte is a small load.
     by_size = sorted(bucketize(named, bucket_mb << 20), key=lambda b: sum(t.numel() * t.element_size() for _, t in b))
@@ -85,12 +81,11 @@ def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int, 
             if i + 1 < len(buckets):
                 framed = pool.submit(frame_weight_bucket, buckets[i + 1], version, i + 1, len(buckets))
             size = len(header) + sum(v.nbytes for v in views)
-            last = i + 1 == len(buckets)
-            wait = httpx.Timeout(timeout_s, read=answer_timeout_s or timeout_s) if last else timeout_s
             try:
                 resp = client.post(f"{url.rstrip('/')}/update_weights", content=_slices(header, views, egress),
-                                   timeout=wait, headers={"Content-Type": CONTENT_TYPE, "Content-Length": str(size),
-                                                          **auth_headers(token), **(headers or {})})
+                                   timeout=timeout_s, headers={"Content-Type": CONTENT_TYPE,
+                                                               "Content-Length": str(size),
+                                                               **auth_headers(token), **(headers or {})})
             except httpx.HTTPError as exc:
                 raise WeightSyncError(f"{url}: bucket {i + 1}/{len(buckets)} of version {version}: "
                                       f"{type(exc).__name__}: {exc}") from None
@@ -105,15 +100,14 @@ def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int, 
 
 
 def refused(who: str, index: int, count: int, version: int, resp: httpx.Response) -> WeightSyncError:
-    """A worker's non-200 answer to a bucket as an error; a fan-out answer's `tree` (the outcomes
-    below a worker whose own load failed) is kept on it."""
+    """A worker's non-200 answer to a bucket as an error, with the worker's reason."""
     try:
         body = resp.json()
     except ValueError:
         body = None
-    detail = body.get("detail") if isinstance(body, dict) and "detail" in body else resp.text
+    detail = body["detail"] if isinstance(body, dict) and "detail" in body else resp.text
     return WeightSyncError(f"{who}: bucket {index + 1}/{count} of version {version}: HTTP {resp.status_code}: "
-                           f"{str(detail)[:300]}", tree=body.get("tree") if isinstance(body, dict) else None)
+                           f"{str(detail)[:300]}")
 
 
 def _slices(header: bytes, views: list[memoryview], egress: Egress) -> Iterator[bytes | memoryview]:

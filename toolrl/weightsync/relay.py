@@ -9,8 +9,14 @@ A child that fails (refuses a bucket, cannot be reached, or is silent past the h
 reported failed, and this worker serves the child's children itself, from bucket 0 of the update:
 the slot files hold the whole update until the next one. What a failed child reported about its
 subtree (its own load failed but its relay finished) is kept, and those workers are not served
-again. The answer to this worker's last bucket waits for the relay, at most a hop timeout per
-level below (`report`); workers not served by then are reported failed.
+again.
+
+The answer to this worker's last bucket waits for its load and for the relay, which may take a
+while below (a child given up after a hop timeout, its children then served from bucket 0). So it
+is a 200 whose body starts with a space every few seconds (`heartbeats`; whitespace is valid before
+JSON) and ends with the answer: every sender's read timeout then catches a worker that is silent,
+not a subtree that is slow, at any depth. The answer says whether this worker loaded (or its
+error), and under "tree" the outcome of each worker below it.
 
 Item 3 of issue 22 (delta updates) will forward what was received for a bucket, which may differ
 from the slot's full bytes: `_bucket_bytes` is the one place that reads what is forwarded.
@@ -18,6 +24,7 @@ from the slot's full bytes: `_bucket_bytes` is the one place that reads what is 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import AsyncIterator
@@ -38,15 +45,6 @@ log = logging.getLogger("gen_worker")
 class UpstreamStopped(Exception):
     """This worker's own update stopped arriving (cut short, superseded, or silent): there is
     nothing more to relay, and this worker's parent serves its children instead."""
-
-
-class FailedWithTree(Exception):
-    """This worker's own update failed after its relay had served the workers below: their
-    outcomes still go up the tree with the error."""
-
-    def __init__(self, cause: Exception, tree: dict[str, dict]):
-        super().__init__(str(cause))
-        self.cause, self.tree = cause, tree
 
 
 class Relay:
@@ -72,9 +70,10 @@ class Relay:
         self.task.cancel()
 
     async def report(self) -> dict[str, dict]:
-        """The outcome of every worker below this one, once the relay is done or the hop timeout per
-        level below has passed (then those not served yet are reported failed, and the relay stops)."""
-        limit = self.plan.timeout_s * max(1, self.plan.height)
+        """The outcome of every worker below this one, once the relay is done. Every hop has its
+        timeout, so it ends; past a last-resort bound (as the engine's load: a hop timeout per bucket,
+        here per level) those not served yet are reported failed and the relay stops."""
+        limit = self.plan.timeout_s * (self.update.count + 1) * (self.plan.height + 1)
         done, _ = await asyncio.wait({self.task}, timeout=limit)
         why = "a newer update superseded this one" if self.task.cancelled() else f"not within {limit:.0f}s"
         if not done:
@@ -116,20 +115,20 @@ class Relay:
         for i in range(u.count):
             await self._whole(i)
             path = u.dir / bucket_file(i)
-            last = i + 1 == u.count
-            # the answer to the last bucket waits for the child's load and its own relay below it
-            wait = httpx.Timeout(t, read=t * (node.height + 1) if last else t)
             headers = {"Content-Type": CONTENT_TYPE, "Content-Length": str(path.stat().st_size),
                        PLAN_HEADER: plan.header(), **auth_headers(self.token)}
-            try:
+            try:  # every read and write has the hop timeout (the last answer heartbeats while it waits)
                 resp = await self._client.post(f"{node.url}/update_weights", content=self._bucket_bytes(path),
-                                               headers=headers, timeout=wait)
+                                               headers=headers, timeout=t)
             except httpx.HTTPError as exc:
                 raise WeightSyncError(f"{node.id}: bucket {i + 1}/{u.count} of version {u.version}: "
                                       f"{type(exc).__name__}: {exc}") from None
             if resp.status_code != 200:
                 raise refused(node.id, i, u.count, u.version, resp)
             answer = resp.json()
+        if not answer.get("loaded") or answer.get("version") != u.version:
+            raise WeightSyncError(f"{node.id}: did not load version {u.version}: {answer.get('error', answer)}",
+                                  tree=answer.get("tree"))
         return answer
 
     async def _whole(self, index: int) -> None:
@@ -156,3 +155,12 @@ class Relay:
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+
+
+async def heartbeats(answer: asyncio.Future, timeout_s: float) -> AsyncIterator[bytes]:
+    """The body of the answer to a relayed update's last bucket: a space every quarter of the hop
+    timeout (at most 10 s) while `answer` is pending, then its JSON."""
+    every = min(10.0, max(0.2, timeout_s / 4))
+    while not (await asyncio.wait({answer}, timeout=every))[0]:
+        yield b" "
+    yield json.dumps(answer.result()).encode()

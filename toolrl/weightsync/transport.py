@@ -43,8 +43,11 @@ class Transport(Protocol):
 
 def confirm_loaded(url: str, answer: dict, version: int, t0: float) -> dict:
     """A worker's answer to the last part of an update, whatever the transport: it must say it
-    loaded `version`. Adds the push's wall time."""
+    loaded `version`. Adds the push's wall time. (A fan-out root that failed itself still reports
+    the workers below it: they stay on the error.)"""
     if answer.get("version") != version or not answer.get("loaded"):
-        raise WeightSyncError(f"{url}: worker did not confirm loading version {version}: {answer}")
+        said = answer.get("error") or {k: v for k, v in answer.items() if k != "tree"}
+        raise WeightSyncError(f"{url}: worker did not confirm loading version {version}: {said}",
+                              tree=answer.get("tree"))
     answer["push_s"] = time.time() - t0
     return answer

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
@@ -15,7 +15,7 @@ from toolrl.tasks import DataError, load_task, task_seed
 from toolrl.protocol import PayloadTooLarge, WireFormatError
 from toolrl.weightsync.buckets import MAX_WEIGHTS_BYTES
 from toolrl.weightsync.fanout import PLAN_HEADER, PlanError, parse_plan
-from toolrl.weightsync.relay import FailedWithTree
+from toolrl.weightsync.relay import heartbeats
 from toolrl.weightsync.transport import BucketOrderError, UpdateAborted
 from toolrl.net import bearer_auth, cap_request_bodies, install_error_handlers
 
@@ -126,13 +126,14 @@ def build_app(worker) -> FastAPI:
         except PlanError as exc:  # refused before a byte of the body is read
             raise HTTPException(status_code=400, detail=f"bad fan-out plan: {exc}") from None
         try:
-            return await worker.gate.receive_bucket(request.stream(), plan)
-        except FailedWithTree as exc:  # this worker failed; the outcomes below it still go up
-            status, detail = _bucket_failure(exc.cause)
-            return JSONResponse(status_code=status, content={"detail": detail, "tree": exc.tree})
+            answer = await worker.gate.receive_bucket(request.stream(), plan)
         except Exception as exc:
             status, detail = _bucket_failure(exc)
             raise HTTPException(status_code=status, detail=detail) from None
+        if isinstance(answer, dict):
+            return answer
+        # the last bucket of a relayed update: its answer waits for the subtree below
+        return StreamingResponse(heartbeats(answer, plan.timeout_s), media_type="application/json")
 
     def _bucket_failure(exc: Exception) -> tuple[int, str]:
         if isinstance(exc, PayloadTooLarge):
