@@ -1,6 +1,6 @@
 """Weight updates down a fan-out tree of real worker receivers: seven processes, each the gen
 worker's own HTTP API, gate, assembler and relay, with a stand-in engine that reads every bucket's
-slot file as vLLM's loader would and records a digest of each tensor (toolrl.weightsync.standin).
+slot file as vLLM's loader would and records a digest of each tensor (toolrl.worker.standin).
 The learner is the real WeightSync over the real HTTP transport. Workers are killed (SIGKILL) and
 silenced (SIGSTOP) mid-update; relays are corrupted and sent out of order."""
 import asyncio
@@ -25,7 +25,7 @@ from toolrl.weightsync.gate import WeightGate
 from toolrl.weightsync.pusher import WeightSync
 from toolrl.weightsync.receiver import WeightAssembler, bucket_file
 from toolrl.weightsync.relay import Relay
-from toolrl.weightsync.standin import tensor_digest
+from toolrl.worker.standin import tensor_digest
 from toolrl.weightsync.vllm_ext import iter_bucket_files
 
 TOKEN = "fanout-secret"
@@ -58,7 +58,7 @@ class Pool:
 
     def start(self, indices) -> None:
         for i in indices:
-            self.procs[i] = Proc(f"w{i}", ["-m", "toolrl.weightsync.standin", "--id", f"w{i}", "--port",
+            self.procs[i] = Proc(f"w{i}", ["-m", "toolrl.worker.standin", "--id", f"w{i}", "--port",
                                            str(self.ports[i]), "--token", TOKEN, "--timeout-s", "30"], self.log_dir)
         for i in indices:
             self.procs[i].wait_http(f"{self.worker(i)['url']}/health", timeout_s=180)

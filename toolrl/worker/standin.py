@@ -1,7 +1,7 @@
 """A gen worker's real weight receiver with a stand-in for its engine: for the fan-out tests and
 bench/fanout.py, where eight vLLM engines do not fit one machine.
 
-    python -m toolrl.weightsync.standin --id w1 --port 8301 [--token T] [--timeout-s S]
+    python -m toolrl.worker.standin --id w1 --port 8301 [--token T] [--timeout-s S]
 
 It serves the worker's own HTTP API (toolrl.worker.app: POST /update_weights through the real
 WeightGate, WeightAssembler and relay, slot files in /dev/shm) and `GET /loaded`: the version
