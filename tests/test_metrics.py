@@ -58,6 +58,37 @@ def test_batch_stats_count_the_policy_samples_their_staleness_and_truncation():
     assert out["response_len"] == 2 and out["completion_len"] == 3
 
 
+def test_batch_stats_say_how_much_signal_grpo_has_and_score_the_teacher_apart():
+    def s(gid, correct, fmt, adv, source="policy"):
+        return Sample(prompt_ids=[1], completion_ids=[2], loss_mask=[1], logprobs=[-1.0], group_id=gid,
+                      rewards={"correct": correct, "format": fmt}, reward=correct + 0.2 * fmt, advantage=adv,
+                      source=source)
+
+    # groups a and b have reward variance, c has none; one of b's samples sits at its mean (advantage 0)
+    batch = [s("a", 1.0, 1.0, 1.0), s("a", 0.0, 1.0, -1.0),
+             s("b", 1.0, 0.0, 0.5), s("b", 0.0, 0.0, -1.0), s("b", 0.5, 0.0, 0.0),
+             s("c", 0.0, 1.0, 0.0), s("c", 0.0, 1.0, 0.0),
+             # teacher traces: group ids of their own, as the producer names them (an advantage, were one
+             # set, is still not GRPO's)
+             s("c:teacher0", 1.0, 1.0, 0.0, "teacher"), s("a:teacher0", 1.0, 0.0, 1.0, "teacher")]
+    out = batch_stats(batch, version=0)
+    assert out["groups"] == 3 and out["groups_with_signal"] == pytest.approx(2 / 3)
+    assert out["nonzero_advantage_frac"] == pytest.approx(4 / 7)
+    # policy rewards are the policy's only; the teacher's are under their own prefix
+    assert out["reward/correct_mean"] == pytest.approx(2.5 / 7) and out["accuracy"] == pytest.approx(2.5 / 7)
+    assert out["reward_teacher/correct_mean"] == 1.0 and out["reward_teacher/format_mean"] == 0.5
+    assert out["reward_teacher/total_mean"] == pytest.approx(1.1)
+    assert not [k for k in out if k.startswith("reward_teacher/") and k.endswith("_std")]
+
+    # without teacher traces there is no teacher figure at all (a 0 would read as a teacher scoring 0)
+    plain = batch_stats(batch[:7], version=0)
+    assert not [k for k in plain if k.startswith("reward_teacher/")]
+    assert plain["groups_with_signal"] == out["groups_with_signal"]
+    # a batch of one flat group: no signal at all
+    flat = batch_stats(batch[5:7], version=0)
+    assert (flat["groups"], flat["groups_with_signal"], flat["nonzero_advantage_frac"]) == (1, 0.0, 0.0)
+
+
 def test_summary_breaks_kinds_down_and_the_teacher_free_ones_together():
     problems = load_task("arithmetic:1-3@all", 10, 3, DataConfig())  # product .. product_minus, gain, loss, twice
 

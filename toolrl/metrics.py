@@ -6,6 +6,7 @@ import math
 import statistics
 from collections import Counter
 
+from toolrl.grpo import zero_variance
 from toolrl.protocol import TRUNCATED, Sample
 
 
@@ -74,7 +75,8 @@ def rates(samples: list[Sample], fmt: str = "format") -> dict:
 
 
 def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
-    """Reward per component, accuracy, lengths, tool use and staleness of one training batch."""
+    """Reward per component and source, GRPO's signal, accuracy, lengths, tool use and staleness of
+    one training batch. Every figure but `samples` and `reward_teacher/*` is over the policy samples."""
     policy = [s for s in samples if s.source == "policy"] or samples
     out: dict[str, float] = {"samples": len(samples)}
     comps = sorted({k for s in policy for k in s.rewards})
@@ -85,6 +87,13 @@ def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
     totals = [s.reward for s in policy]
     out["reward/total_mean"] = statistics.fmean(totals)
     out["reward/total_std"] = statistics.pstdev(totals)
+    # The teacher's traces score apart: mixed in, they would read as the policy doing better
+    teacher = [s for s in samples if s.source == "teacher"]
+    for k in sorted({k for s in teacher for k in s.rewards}):
+        out[f"reward_teacher/{k}_mean"] = statistics.fmean([s.rewards.get(k, 0.0) for s in teacher])
+    if teacher:
+        out["reward_teacher/total_mean"] = statistics.fmean([s.reward for s in teacher])
+    out.update(signal(samples))
     r = rates(policy)
     out["accuracy"] = r["accuracy"]
     out["response_len"] = statistics.fmean([sum(s.loss_mask) for s in policy])
@@ -101,3 +110,17 @@ def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
     out["mixed_version_samples"] = sum(len(s.version_runs) > 1 for s in policy)
     out["stop/length_frac"] = sum(1 for s in policy if s.stop_reason in TRUNCATED) / len(policy)
     return out
+
+
+def signal(samples: list[Sample]) -> dict[str, float]:
+    """Whether GRPO has anything to learn from in a batch: a group whose rewards are all equal has
+    zero advantages and so no gradient. Over the policy samples only (teacher traces have their own
+    group ids and no advantage); a batch without any reads 0 groups, no signal."""
+    rewards: dict[str, list[float]] = {}
+    for s in samples:
+        if s.source == "policy":
+            rewards.setdefault(s.group_id, []).append(s.reward)
+    n = sum(len(r) for r in rewards.values())
+    return {"groups": len(rewards),
+            "groups_with_signal": sum(not zero_variance(r) for r in rewards.values()) / max(1, len(rewards)),
+            "nonzero_advantage_frac": sum(s.advantage != 0 for s in samples if s.source == "policy") / max(1, n)}
