@@ -58,19 +58,24 @@ def test_batch_stats_count_the_policy_samples_their_staleness_and_truncation():
     assert out["response_len"] == 2 and out["completion_len"] == 3
 
 
-def test_batch_stats_say_how_much_signal_grpo_has_and_score_the_teacher_apart():
+def signal_batch() -> list[Sample]:
+    """Three groups of policy samples, two with reward variance (one of whose samples sits at its
+    group's mean: advantage 0) and one flat, and two teacher traces."""
     def s(gid, correct, fmt, adv, source="policy"):
         return Sample(prompt_ids=[1], completion_ids=[2], loss_mask=[1], logprobs=[-1.0], group_id=gid,
                       rewards={"correct": correct, "format": fmt}, reward=correct + 0.2 * fmt, advantage=adv,
                       source=source)
 
-    # groups a and b have reward variance, c has none; one of b's samples sits at its mean (advantage 0)
-    batch = [s("a", 1.0, 1.0, 1.0), s("a", 0.0, 1.0, -1.0),
-             s("b", 1.0, 0.0, 0.5), s("b", 0.0, 0.0, -1.0), s("b", 0.5, 0.0, 0.0),
-             s("c", 0.0, 1.0, 0.0), s("c", 0.0, 1.0, 0.0),
-             # teacher traces: group ids of their own, as the producer names them (an advantage, were one
-             # set, is still not GRPO's)
-             s("c:teacher0", 1.0, 1.0, 0.0, "teacher"), s("a:teacher0", 1.0, 0.0, 1.0, "teacher")]
+    return [s("a", 1.0, 1.0, 1.0), s("a", 0.0, 1.0, -1.0),
+            s("b", 1.0, 0.0, 0.5), s("b", 0.0, 0.0, -1.0), s("b", 0.5, 0.0, 0.0),
+            s("c", 0.0, 1.0, 0.0), s("c", 0.0, 1.0, 0.0),
+            # teacher traces: group ids of their own, as the producer names them (an advantage, were one
+            # set, is still not GRPO's)
+            s("c:teacher0", 1.0, 1.0, 0.0, "teacher"), s("a:teacher0", 1.0, 0.0, 1.0, "teacher")]
+
+
+def test_batch_stats_say_how_much_signal_grpo_has_and_score_the_teacher_apart():
+    batch = signal_batch()
     out = batch_stats(batch, version=0)
     assert out["groups"] == 3 and out["groups_with_signal"] == pytest.approx(2 / 3)
     assert out["nonzero_advantage_frac"] == pytest.approx(4 / 7)

@@ -16,7 +16,7 @@ import torch
 from toolrl.config import Config
 from toolrl.learner.batching import gather_batch
 from toolrl.learner.dist_env import check_shared_dir
-from toolrl.learner.monitor import Monitor
+from toolrl.learner.monitor import Monitor, step_line
 from toolrl.learner.schedules import TeacherWeight, out_of_time
 from toolrl.learner.trainer import Trainer
 from toolrl.metrics import batch_stats
@@ -175,11 +175,8 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
                 log.warning("could not read reference server stats: %s", exc)
         monitor.log(trainer.step, metrics)
         if rank0:
-            print(f"step {trainer.step}/{cfg.learner.steps} v{trainer.version} "
-                  f"reward {metrics['reward/total_mean']:.3f} acc {metrics['accuracy']:.2f} "
-                  f"tools/sample {metrics['tool_calls_per_sample']:.2f} loss {metrics['loss']:+.4f} "
-                  f"kl {metrics['kl']:.4f} step {metrics['step_time_s']:.1f}s "
-                  f"(wait {t1 - t0:.1f} compute {t2 - t1:.1f} sync {t3 - t2:.1f})", flush=True)
+            print(step_line(trainer.step, cfg.learner.steps, metrics, teacher=cfg.grpo.w_teacher > 0,
+                            kl=cfg.grpo.beta > 0), flush=True)
         if cfg.eval.every and trainer.step % cfg.eval.every == 0 and trainer.step < cfg.learner.steps:
             held_out("every")
 

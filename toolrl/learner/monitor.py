@@ -1,5 +1,5 @@
-"""Run monitoring: WandB (offline unless configured) and TensorBoard, written by rank 0 only,
-plus one console line per step."""
+"""Run monitoring: WandB (offline unless configured), TensorBoard and logs/metrics.jsonl, written by
+rank 0 only, each with every numeric metric of a step, plus one console line per step (step_line)."""
 from __future__ import annotations
 
 import json
@@ -65,3 +65,23 @@ class Monitor:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def step_line(step: int, steps: int, m: dict, teacher: bool = False, kl: bool = False) -> str:
+    """A step's console line: progress, whether GRPO had anything to learn from (groups with reward
+    variance, samples with a nonzero advantage), the clip fraction and where the time went. The
+    teacher weight only with a teacher term (`teacher`: grpo.w_teacher > 0), the KL only when it is in
+    the loss (`kl`: beta > 0; else it is 0 by construction). launch.sh shows lines that start `step N/`."""
+    groups = int(m["groups"])
+    parts = [f"step {step}/{steps} v{int(m['policy_version'])}",
+             f"reward {m['reward/total_mean']:.3f} acc {m['accuracy']:.2f}",
+             f"signal {round(m['groups_with_signal'] * groups)}/{groups} groups "
+             f"({m['nonzero_advantage_frac']:.0%} of samples)"]
+    if teacher:
+        parts.append(f"w_teacher {m['w_teacher']:.2f}")
+    parts += [f"tools/sample {m['tool_calls_per_sample']:.2f}", f"loss {m['loss']:+.4f}", f"clip {m['clip_frac']:.3f}"]
+    if kl:
+        parts.append(f"kl {m['kl']:.4f}")
+    parts.append(f"step {m['step_time_s']:.1f}s (wait {m['time_wait_s']:.1f} compute {m['time_compute_s']:.1f} "
+                 f"sync {m['time_sync_s']:.1f})")
+    return " ".join(parts)
