@@ -91,31 +91,148 @@ def probe_workers(cfg, workers: list[dict], export_dir: Path) -> list[dict]:
 
 
 def plot(metrics: list[dict], path: Path, evals: list[dict] = ()) -> None:
-    import matplotlib  # lazy: only the curves need it, and it must get its backend first
+    """curves.png: the run's curves (`curves`)."""
+    curves(metrics, evals).savefig(path, dpi=100)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    steps = [m["step"] for m in metrics]
-    panels = [("reward/total_mean", "reward"), ("accuracy", "accuracy"),
-              ("tool_calls_per_sample", "tool calls / sample"), ("loss", "loss"), ("kl", "KL to reference"),
-              ("step_time_s", "step time (s)")]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, (key, title) in zip(axes.flat, panels):
-        ys = [m.get(key) for m in metrics]
-        pts = [(x, y) for x, y in zip(steps, ys) if y is not None]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", ms=3, label="training batches")
-        if key == "accuracy" and evals:
-            ax.plot([e["step"] for e in evals], [e["accuracy"] for e in evals], marker="s", ms=5,
-                    label=f"held-out ({evals[-1]['n_samples']} samples)")
-            ax.legend(fontsize=8)
-        ax.set_title(title)
+def curves(metrics: list[dict], evals: list[dict] = ()):
+    """The run's curves as a matplotlib Figure, a panel each, from metrics.jsonl and eval.jsonl rows.
+    Whether GRPO has signal and what the teacher weighs sit next to reward and accuracy, so a run that
+    learns only from its teacher reads as one. A key an older run (or another task) did not log leaves
+    its series out, and a panel with none says "not logged": nothing here fails for want of a key."""
+    from matplotlib.figure import Figure  # lazy: only the curves need matplotlib (no pyplot: no backend state)
+
+    fig = Figure(figsize=(16, 11.5))
+    panels = (_reward, _accuracy, _signal, _losses, _kl_or_entropy, _tools, _lengths, _stale, _step_time)
+    for ax, panel in zip(fig.subplots(3, 3).flat, panels):
+        twin = panel(ax, metrics, evals)  # a second y axis, for a panel that has one
+        if twin is not None and not twin.get_legend_handles_labels()[0]:
+            twin.set_visible(False)  # nothing logged for it
+        handles = [h for a in (ax, twin) if a is not None for h in a.get_legend_handles_labels()[0]]
+        if twin is not None:  # the legend (on ax) above the twin's lines, which matplotlib draws later
+            ax.set_zorder(twin.get_zorder() + 1)
+            ax.patch.set_visible(False)
+        if handles:
+            ax.legend(handles, [h.get_label() for h in handles], fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center", color="grey")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+# Each panel draws on its axes from the rows and returns its twin y axis, if it made one.
+# A series is the steps at which its key was logged, with the values there.
+
+def _series(rows: list[dict], key: str) -> tuple[list, list]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return ([x for x, _ in pts], [y for _, y in pts])
+
+
+def _line(ax, rows: list[dict], key: str, label: str, **kw) -> None:
+    xs, ys = _series(rows, key)
+    if xs:
+        ax.plot(xs, ys, marker="o", ms=3, label=label, **kw)
+
+
+def _reward(ax, rows, evals):
+    ax.set_title("reward (total)")
+    _line(ax, rows, "reward/total_mean", "policy samples")
+    _line(ax, rows, "reward_teacher/total_mean", "teacher traces", linestyle="--", color="tab:grey")
+
+
+def _accuracy(ax, rows, evals):
+    """Training batches as a line, held-out evaluations as markers only: a line between two evaluations
+    would read as progress measured in between, and none was."""
+    ax.set_title("accuracy")
+    _line(ax, rows, "accuracy", "policy samples (training batch)")
+    pts = [(e["step"], e["accuracy"]) for e in evals if isinstance(e.get("accuracy"), (int, float))]
+    if pts:
+        n = evals[-1].get("n_samples")
+        ax.plot(*zip(*pts), linestyle="none", marker="s", ms=7, color="tab:red", gid="heldout",
+                label="held-out" + (f" ({n} samples)" if n else ""))
+        for x, y in pts:
+            ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8,
+                        color="tab:red", bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8})
+    ax.set_ylim(-0.05, 1.1)
+
+
+def _signal(ax, rows, evals):
+    """GRPO learns only from groups whose rewards differ; the teacher weight is on the same 0-1 axis."""
+    ax.set_title("learning signal")
+    _line(ax, rows, "groups_with_signal", "groups with reward variance")
+    _line(ax, rows, "nonzero_advantage_frac", "samples with advantage != 0")
+    _line(ax, rows, "w_teacher", "teacher weight (w_teacher)", linestyle="--")
+    top = max([1.0] + _series(rows, "w_teacher")[1])  # grpo.w_teacher may be set above 1
+    ax.set_ylim(-0.05, top + 0.05)
+
+
+def _losses(ax, rows, evals):
+    ax.set_title("loss terms (unweighted)")
+    for key, label in (("loss_grpo", "GRPO"), ("loss_sft_teacher", "SFT teacher"), ("loss_sft_self", "SFT self")):
+        _line(ax, rows, key, label)
+
+
+def _kl_or_entropy(ax, rows, evals):
+    """The KL is 0 by construction with beta 0: then entropy and the clip fraction say more."""
+    if any(r.get("kl") for r in rows):
+        ax.set_title("KL to reference")
+        _line(ax, rows, "kl", "KL")
+        return None
+    ax.set_title("entropy, clip fraction")
+    _line(ax, rows, "entropy", "entropy")
+    twin = ax.twinx()
+    _line(twin, rows, "clip_frac", "clip fraction", color="tab:orange")
+    return twin
+
+
+def _tools(ax, rows, evals):
+    ax.set_title("tool use")
+    _line(ax, rows, "tool_calls_per_sample", "tool calls / sample")
+    twin = ax.twinx()
+    _line(twin, rows, "tool_error_rate", "tool error rate", color="tab:red", linestyle="--")
+    twin.set_ylim(-0.05, 1.05)
+    return twin
+
+
+def _lengths(ax, rows, evals):
+    ax.set_title("response length, truncation")
+    _line(ax, rows, "response_len", "response tokens (policy-made)")
+    twin = ax.twinx()
+    _line(twin, rows, "stop/length_frac", "truncated", color="tab:red", linestyle="--")
+    twin.set_ylim(-0.05, 1.05)
+    return twin
+
+
+def _stale(ax, rows, evals):
+    """The reference server's count is cumulative: a step's drops are its increase (a restarted server
+    counts from 0 again)."""
+    ax.set_title("stale drops")
+    xs, total = _series(rows, "queue/dropped_stale")
+    if xs:
+        per_step = [t - p if t >= p else t for p, t in zip([0.0] + total, total)]
+        ax.bar(xs, per_step, color="tab:grey", alpha=0.5, label="dropped stale this step")
+        ax.set_ylim(0, max([1.0] + per_step) * 1.1)  # counts: from 0, and a visible axis when all are 0
+    twin = ax.twinx()
+    _line(twin, rows, "queue/stale_drop_fraction", "fraction of policy samples (run)", color="tab:red")
+    twin.set_ylim(-0.05, 1.05)
+    return twin
+
+
+def _step_time(ax, rows, evals):
+    ax.set_title("step time (s)")
+    parts = [("time_wait_s", "wait for batch"), ("time_compute_s", "compute"), ("time_sync_s", "weight sync")]
+    logged = [r for r in rows if all(isinstance(r.get(k), (int, float)) for k, _ in parts)]
+    if not logged:
+        _line(ax, rows, "step_time_s", "step")
+        return None
+    xs, bottom = [r["step"] for r in logged], [0.0] * len(logged)
+    for key, label in parts:
+        ys = [r[key] for r in logged]
+        ax.bar(xs, ys, bottom=bottom, label=label)
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    return None
 
 
 def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
