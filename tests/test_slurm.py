@@ -26,7 +26,7 @@ def test_the_dry_run_gives_every_node_its_role():
     # node 0: the reference server for every node (all interfaces, GPU 0), learner ranks on the rest
     assert re.search(r"ref_server\s+CUDA_VISIBLE_DEVICES=0 .* --host 0\.0\.0\.0", head)
     assert "--nnodes 2 --node_rank 0 --nproc_per_node 7 --master_addr node-0" in head
-    assert "gen_worker" not in head
+    assert "gen_worker" not in head and "learner.sync_fanout=2" in head  # one copy leaves node 0 per sync
     # node 1: as many learner ranks, meeting node 0
     assert "--nnodes 2 --node_rank 1 --nproc_per_node 7 --master_addr node-0" in learner1
     assert "ref_server.url=http://node-0:8200" in learner1 and "ref_server.py" not in learner1
