@@ -11,6 +11,7 @@ from toolrl.config import ConfigError, load_config
 from toolrl.weightsync.egress import MIB, Egress
 from toolrl.weightsync.fanout import (MAX_DEPTH, MAX_PLAN_BYTES, PlanError, PlanNode, make_plans,
                                       outcomes_of, parse_plan, plan_for)
+from fake_registry import Registry
 from toolrl.weightsync.pusher import WeightSync
 
 
@@ -114,17 +115,6 @@ def test_fanout_is_an_http_option():
         load_config("configs/cpu_tiny.yaml", ["learner.sync_transport=process_group", "learner.sync_fanout=2"])
     with pytest.raises(ConfigError, match="sync_fanout"):
         load_config("configs/cpu_tiny.yaml", ["learner.sync_fanout=-1"])
-
-
-class Registry:
-    def __init__(self, workers):
-        self.list, self.versions = workers, []
-
-    def workers(self):
-        return [dict(w) for w in self.list]
-
-    def set_version(self, v):
-        self.versions.append(v)
 
 
 class FakeTree:

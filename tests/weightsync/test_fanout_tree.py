@@ -22,6 +22,7 @@ from toolrl.protocol import CONTENT_TYPE
 from toolrl.weightsync.buckets import bucketize, encode_weight_bucket
 from toolrl.weightsync.fanout import PLAN_HEADER, FanoutPlan, PlanNode, make_plans, plan_for
 from toolrl.weightsync.gate import WeightGate
+from fake_registry import Registry
 from toolrl.weightsync.pusher import WeightSync
 from toolrl.weightsync.receiver import WeightAssembler, bucket_file
 from toolrl.weightsync.relay import Relay
@@ -106,17 +107,6 @@ def pool(tmp_path_factory):
 def healed(pool):
     yield
     pool.heal()
-
-
-class Registry:
-    def __init__(self, workers):
-        self.list, self.versions = workers, []
-
-    def workers(self):
-        return [dict(w) for w in self.list]
-
-    def set_version(self, v):
-        self.versions.append(v)
 
 
 def _sync(workers, *sets) -> WeightSync:

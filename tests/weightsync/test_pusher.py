@@ -2,24 +2,12 @@
 import logging
 
 from toolrl.config import load_config
+from fake_registry import Registry
 from toolrl.weightsync.pusher import WeightSync
 
 WORKERS = [{"id": "local", "url": "http://127.0.0.1:8300", "policy_version": 0},
            {"id": "other-node", "url": "http://10.1.2.3:8300", "policy_version": 0},
            {"id": "named", "url": "http://gpu-node-7:8300", "policy_version": 0}]
-
-
-class Registry:
-    """The reference server's worker list as the pusher reads it."""
-
-    def __init__(self):
-        self.versions = []
-
-    def workers(self):
-        return [dict(w) for w in WORKERS]
-
-    def set_version(self, v):
-        self.versions.append(v)
 
 
 class Recorder:
@@ -39,7 +27,7 @@ class Recorder:
 def sync(*sets):
     cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "rollout.token=secret", *sets])
     t = Recorder()
-    return WeightSync(cfg, Registry(), transport=t), t
+    return WeightSync(cfg, Registry(WORKERS), transport=t), t
 
 
 def test_an_open_registry_gets_weights_to_loopback_and_trusted_hosts_only(caplog):
