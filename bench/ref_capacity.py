@@ -13,7 +13,9 @@ What runs, for each setting (a server of its own, all started at once, each idle
              not the server, sets the rate). Settings: `beta0` (grpo.beta = 0: no reference model;
              admission checks, decoding and queueing only; the vocabulary comes from tiny-random's
              config), `tiny-random` (beta 0.04, the 2-layer toy model, reference forward on the CPU),
-             and with --smollm2 `smollm2-135m-instruct` in bf16 (beta 0.04, on the CPU). A 128-sample
+             and with --smollm2 `smollm2-135m-instruct` in bf16 (beta 0.04, on the CPU: ~520 tok/s on
+             an idle 2-core host, bench/ref_server.py, so a window of two groups takes it half a minute
+             or more: give it --clients 1,4 --ref-measure-s 120). A 128-sample
              queue (`max_queue_samples`), the default token budget (8192), 1 torch thread.
   uploads  : C simulated gen workers in one child process (asyncio), each with its own
              AsyncRefServerClient, uploading groups back to back (closed loop, no think time: the
@@ -503,7 +505,8 @@ def main() -> None:
         "results": {s: {c: {k: r[k] for k in ("uploads_per_s", "samples_per_s", "mb_per_s", "latency_p50_ms",
                                                "latency_p99_ms", "delivered_samples_per_s", "loop_cpu_ms_per_upload",
                                                "server_loop_cpu", "server_other_threads_cpu", "ref_compute_s",
-                                               "clients_cpu", "consumer_cpu", "machine_busy")}
+                                               "ref_tokens_per_compute_s", "clients_cpu", "consumer_cpu",
+                                               "machine_busy", "settled")}
                         for c, r in rows.items()} for s, rows in results.items()},
         "capacity": capacity, "workers_served": served, "estimate_7b_reference_h100": est,
         "worker_samples_per_s": args.worker_samples_s,
