@@ -120,6 +120,32 @@ def test_a_new_update_waits_until_the_last_whole_one_is_loaded(tmp_path):
     asyncio.run(run())
 
 
+def test_a_superseded_bucket_writes_nothing_more_into_the_slot_the_new_update_fills(tmp_path):
+    """Two senders of bucket 0 at once (a relay replaced while it still sends): once the newer one
+    starts, the older one's later chunks must not land in the slot the newer one is filling."""
+    a = WeightAssembler(tmp_path / "w")
+    old, new = _bodies(_named(), version=1)[0], _bodies(_named(seed=1), version=2)[0]
+    assert len(old) == len(new)
+    resume = asyncio.Event()
+
+    async def stalled(body):
+        yield body[:len(body) // 2]
+        await resume.wait()
+        yield body[len(body) // 2:]
+
+    async def run():
+        first = asyncio.create_task(a.receive(stalled(old), 0))
+        await asyncio.sleep(0.05)
+        _, update = await a.receive(_chunks(new), 0)
+        resume.set()
+        with pytest.raises(UpdateAborted):
+            await first
+        return update
+    update = asyncio.run(run())
+    assert (update.dir / bucket_file(0)).read_bytes() == new
+    a.close()
+
+
 def test_misplaced_buckets_are_refused_from_their_header(tmp_path):
     bodies = _bodies(_named(), version=5)
     a = WeightAssembler(tmp_path / "w")

@@ -162,6 +162,8 @@ class WeightAssembler:
 
         def sink(data: bytes) -> None:
             nonlocal pos
+            if update.aborted:  # superseded: the next update's bucket may be writing into this slot
+                raise UpdateAborted(f"version {update.version} was superseded while a bucket arrived")
             slot.map[pos:pos + len(data)] = data
             pos += len(data)
 
