@@ -107,7 +107,7 @@ def refused(who: str, index: int, count: int, version: int, resp: httpx.Response
         body = None
     detail = body["detail"] if isinstance(body, dict) and "detail" in body else resp.text
     return WeightSyncError(f"{who}: bucket {index + 1}/{count} of version {version}: HTTP {resp.status_code}: "
-                           f"{str(detail)[:300]}")
+                           f"{str(detail)[:300]}", need_full=isinstance(body, dict) and body.get("need_full") is True)
 
 
 def _slices(header: bytes, views: list[memoryview], egress: Egress) -> Iterator[bytes | memoryview]:

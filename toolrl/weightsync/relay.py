@@ -1,9 +1,12 @@
 """A worker's side of the fan-out tree: it relays the update it receives to its children.
 
 One ordered sender per child forwards bucket i as soon as it is whole here, while later buckets
-still arrive: the bytes of its slot file, which are the bytes this worker received (header and
-body), so the child checks version, order and checksum again with the normal receiver. All the
-senders share one `Egress` capped at the plan's `max_mb_s`: this worker's link.
+still arrive: the bytes this worker received (header and body: its slot file, or for a delta bucket
+the delta as received), so the child checks version, order and checksum again with the normal
+receiver. A delta goes down as it came: the learner plans a delta tree only of workers that loaded
+its base, and a child that does not hold it refuses it (`need_full`, reported up with its error)
+and gets the full update from the learner. All the senders share one `Egress` capped at the plan's
+`max_mb_s`: this worker's link.
 
 A child that fails (refuses a bucket, cannot be reached, or is silent past the hop timeout) is
 reported failed, and this worker serves the child's children itself, from bucket 0 of the update:
@@ -17,9 +20,6 @@ is a 200 whose body starts with a space every few seconds (`heartbeats`; whitesp
 JSON) and ends with the answer: every sender's read timeout then catches a worker that is silent,
 not a subtree that is slow, at any depth. The answer says whether this worker loaded (or its
 error), and under "tree" the outcome of each worker below it.
-
-Item 3 of issue 22 (delta updates) will forward what was received for a bucket, which may differ
-from the slot's full bytes: `_bucket_bytes` is the one place that reads what is forwarded.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from toolrl.protocol import CONTENT_TYPE
 from toolrl.weightsync.egress import Egress
 from toolrl.weightsync.fanout import PLAN_HEADER, FanoutPlan, PlanNode, outcomes_of, plan_for, reported_below
 from toolrl.weightsync.http import refused
-from toolrl.weightsync.receiver import Update, bucket_file
+from toolrl.weightsync.receiver import Update
 from toolrl.weightsync.transport import WeightSyncError
 
 log = logging.getLogger("gen_worker")
@@ -97,7 +97,8 @@ class Relay:
         except UpstreamStopped:
             return
         except Exception as exc:  # refused, unreachable, silent past the timeout: route around it
-            self.outcomes[node.id] = {"error": str(exc)}
+            self.outcomes[node.id] = {"error": str(exc), **({"need_full": True} if getattr(exc, "need_full", False)
+                                                            else {})}
             reported = reported_below(node, getattr(exc, "tree", None))
             self.outcomes.update(reported)
             orphans = [c for c in node.children if c.id not in reported]
@@ -114,7 +115,7 @@ class Relay:
         answer: dict = {}
         for i in range(u.count):
             await self._whole(i)
-            path = u.dir / bucket_file(i)
+            path = u.received[i]
             headers = {"Content-Type": CONTENT_TYPE, "Content-Length": str(path.stat().st_size),
                        PLAN_HEADER: plan.header(), **auth_headers(self.token)}
             try:  # every read and write has the hop timeout (the last answer heartbeats while it waits)
@@ -145,8 +146,8 @@ class Relay:
                 raise UpstreamStopped(f"bucket {index} did not arrive here within {self.plan.timeout_s:.0f}s") from None
 
     async def _bucket_bytes(self, path: Path) -> AsyncIterator[bytes]:
-        """What is forwarded for a bucket: its slot file as received, in paced chunks. Read through
-        its own file handle (not the slot's mapping, which the next update may resize)."""
+        """What is forwarded for a bucket: its bytes as received (Update.received), in paced chunks.
+        Read through its own file handle (not the slot's mapping, which the next update may resize)."""
         with open(path, "rb") as f:
             while chunk := f.read(self.egress.chunk):
                 await self.egress.apace(len(chunk))

@@ -18,15 +18,27 @@ import torch
 
 class WeightSyncError(RuntimeError):
     """A sender could not bring a worker to a version (it names the worker and the step). `tree`:
-    what the worker reported about the workers below it in a fan-out tree, when it did."""
+    what the worker reported about the workers below it in a fan-out tree, when it did.
+    `need_full`: the worker refused a delta update, or could not apply it; a full update will do."""
 
-    def __init__(self, message: str, tree: dict | None = None):
+    def __init__(self, message: str, tree: dict | None = None, need_full: bool = False):
         super().__init__(message)
-        self.tree = tree
+        self.tree, self.need_full = tree, need_full
 
 
 class BucketOrderError(ValueError):
     """The worker refuses an update part that is out of place (order, version, group)."""
+
+
+class BaseMissing(BucketOrderError):
+    """A delta bucket for a base this worker does not hold whole (it is new, its last update failed,
+    or the layout changed): refused before its body is read. `holds`: the version its slots do hold
+    whole, or None."""
+    need_full = True
+
+    def __init__(self, message: str, holds: int | None):
+        super().__init__(message)
+        self.holds = holds
 
 
 class UpdateAborted(RuntimeError):

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import ClientDisconnect
 
@@ -129,6 +129,9 @@ def build_app(worker) -> FastAPI:
             answer = await worker.gate.receive_bucket(request.stream(), plan)
         except Exception as exc:
             status, detail = _bucket_failure(exc)
+            if getattr(exc, "need_full", False):  # a delta refused or not applied: the sender sends it all
+                return JSONResponse(status_code=status, content={"detail": detail, "need_full": True,
+                                                                 "holds": getattr(exc, "holds", None)})
             raise HTTPException(status_code=status, detail=detail) from None
         if isinstance(answer, dict):
             return answer

@@ -1,13 +1,14 @@
-"""A gen worker's real weight receiver with a stand-in for its engine: for the fan-out tests and
-bench/fanout.py, where eight vLLM engines do not fit one machine.
+"""A gen worker's real weight receiver with a stand-in for its engine: for the fan-out and delta
+tests, bench/fanout.py and bench/delta.py, where eight vLLM engines do not fit one machine.
 
     python -m toolrl.worker.standin --id w1 --port 8301 [--token T] [--timeout-s S]
 
 It serves the worker's own HTTP API (toolrl.worker.app: POST /update_weights through the real
 WeightGate, WeightAssembler and relay, slot files in /dev/shm) and `GET /loaded`: the version
-loaded and a digest of every tensor. The stand-in engine reads each bucket's slot file as soon as
-it is ready, through the real loader's reader (toolrl.weightsync.vllm_ext.iter_bucket_files), as
-vLLM's in-place reload does, and records the digests instead of loading them on a device.
+loaded, a digest of every tensor and the bytes received in all. The stand-in engine reads each
+bucket's slot file as soon as it is ready, through the real loader's reader
+(toolrl.weightsync.vllm_ext.iter_bucket_files), as vLLM's in-place reload does, and records the
+digests instead of loading them on a device.
 """
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     @app.get("/loaded")
     async def loaded():
         return {"worker_id": worker.worker_id, "version": worker.gate.version, "weights_ok": worker.gate.weights_ok,
-                "loads": worker.engine.loads, "digests": worker.engine.digests}
+                "loads": worker.engine.loads, "digests": worker.engine.digests,
+                "received_bytes": worker.gate.assembler.received_bytes}
 
     # uvicorn re-raises SIGTERM once it has shut down, so a `finally` here would never run
     app.router.on_shutdown.append(worker.gate.assembler.close)
