@@ -348,15 +348,28 @@ class LearnerConfig(Section):
     # http: cap each sender's egress in MiB/s (the learner's, and each relaying worker's, which the
     # plan passes on), to leave bandwidth for other traffic. None: as fast as the link goes.
     sync_max_mb_s: float | None = Field(None, gt=0)
+    # http: send a worker that holds the version synced last only what changed since (a delta,
+    # toolrl.weightsync.delta; about a fifth of the bf16 weights after a training step), the full
+    # weights to the others. auto: to remote workers (not on loopback, where bytes cost nothing but
+    # the CPU that encodes them); on: to every worker; off: never. The learner's rank 0 then keeps
+    # one copy of the weights in the sync dtype in host RAM (a 7B model in bf16: 14 GB).
+    sync_delta: Literal["auto", "on", "off"] = "auto"
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     checkpoint_dir: str = "runs/checkpoints"
     batch_timeout_s: float = Field(600.0, gt=0)
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
+    @field_validator("sync_delta", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, v):
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as booleans
+
     @model_validator(mode="after")
     def _http_only(self) -> "LearnerConfig":
-        if self.sync_transport != "http" and (self.sync_fanout or self.sync_max_mb_s is not None):
-            raise ValueError("learner.sync_fanout and learner.sync_max_mb_s apply to sync_transport: http only")
+        if self.sync_transport != "http" and (self.sync_fanout or self.sync_max_mb_s is not None
+                                              or self.sync_delta == "on"):
+            raise ValueError("learner.sync_fanout, sync_max_mb_s and sync_delta: on apply to sync_transport: "
+                             "http only")
         return self
 
 

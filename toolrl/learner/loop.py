@@ -166,7 +166,10 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
                        policy_version=trainer.version, workers_ok=synced.get("workers_ok", 0),
                        workers_failed=synced.get("workers_failed", 0), sync_drain_s=synced.get("drain_s_max", 0.0),
                        sync_reload_s=synced.get("reload_s_max", 0.0),
-                       requests_interrupted=synced.get("interrupted", 0))
+                       requests_interrupted=synced.get("interrupted", 0),
+                       # what left the learner for this sync (http), of which deltas, and one full copy
+                       sync_bytes=synced.get("egress_bytes", 0), sync_delta_bytes=synced.get("delta_bytes", 0),
+                       sync_copy_bytes=synced.get("copy_bytes", 0))
         if rank0:
             try:
                 st = ref.stats()

@@ -9,10 +9,15 @@ passes silently. The worker's side is toolrl.weightsync.receiver. Works anywhere
 With `learner.sync_fanout` the learner sends to the root of a tree of workers instead, with the
 plan of the tree (`push_tree`; toolrl.weightsync.fanout), and the workers relay it
 (toolrl.weightsync.relay).
+
+A sync frames its update once (`prepare`: toolrl.weightsync.outgoing), and a push with `delta`
+sends each bucket as a delta from the version the learner sent last, where one was made; a worker
+that refuses a delta or cannot apply it (`need_full`) gets the full update at once.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import time
 from typing import Iterator
 
@@ -21,33 +26,61 @@ import torch
 
 from toolrl.net import auth_headers
 from toolrl.protocol import CONTENT_TYPE
-from toolrl.weightsync.buckets import bucketize, frame_weight_bucket
 from toolrl.weightsync.egress import Egress
 from toolrl.weightsync.fanout import PLAN_HEADER, PlanNode, outcomes_of, plan_for, reported_below
+from toolrl.weightsync.outgoing import LastSent, Outgoing
 from toolrl.weightsync.transport import WeightSyncError, confirm_loaded
+
+log = logging.getLogger("learner")
 
 
 class HttpTransport:
     """`learner.sync_transport: http`. All pushes share one `Egress`: the learner's link, counted
-    and capped at `max_mb_s` (MiB/s) when set."""
+    and capped at `max_mb_s` (MiB/s) when set. Between `prepare` and `release` (one sync) every push
+    of that version shares its framed buckets and deltas."""
     name = "http"
 
     def __init__(self, token: str | None, bucket_mb: int, timeout_s: float, max_mb_s: float | None = None):
         self.token, self.bucket_mb, self.timeout_s = token, bucket_mb, timeout_s
         self.egress = Egress(max_mb_s)
+        self.last: LastSent | None = None  # the last version sent, kept for deltas
+        self.out: Outgoing | None = None  # the update of the sync under way
 
-    def push(self, worker: dict, named: list[tuple[str, torch.Tensor]], version: int) -> dict:
-        return push_weights(worker["url"], named, version, token=self.token, bucket_mb=self.bucket_mb,
-                            timeout_s=self.timeout_s, egress=self.egress)
+    def prepare(self, named: list[tuple[str, torch.Tensor]], version: int, keep: bool) -> int | None:
+        """Frame `version`'s update for the pushes of one sync. With `keep`, the learner keeps a copy
+        of it for the next sync's deltas (one copy of the weights; without, a copy kept is dropped).
+        Returns the version this sync's deltas apply to, or None: no deltas this time."""
+        if not keep and (self.last is None or self.last.version != version):
+            self.last = None
+        elif keep and self.last is None:
+            self.last = LastSent()
+        self.out = Outgoing(named, version, self.bucket_mb << 20, self.last, wait_s=self.timeout_s)
+        return self.out.base
 
-    def push_tree(self, root: PlanNode, named: list[tuple[str, torch.Tensor]], version: int) -> dict[str, dict]:
+    def release(self) -> Outgoing | None:
+        """The sync is over: its deltas and the references to its weights go (the copy kept stays)."""
+        out, self.out = self.out, None
+        return out
+
+    def _outgoing(self, named, version: int) -> Outgoing:
+        out = self.out
+        return out if out is not None and out.version == version else Outgoing(named, version, self.bucket_mb << 20)
+
+    def push(self, worker: dict, named: list[tuple[str, torch.Tensor]], version: int, delta: bool = False) -> dict:
+        return push_weights(worker["url"], named, version, token=self.token, timeout_s=self.timeout_s,
+                            egress=self.egress, out=self._outgoing(named, version), delta=delta)
+
+    def push_tree(self, root: PlanNode, named: list[tuple[str, torch.Tensor]], version: int,
+                  delta: bool = False) -> dict[str, dict]:
         """Send an update once, to `root`, with the plan of its subtree. -> the outcome of every
-        worker in the tree, by id: its answer to the last bucket, or {"error"}. A root whose own load
-        failed still reports the workers below it; one that fails otherwise reports none of them."""
+        worker in the tree, by id: its answer to the last bucket, or {"error"} (with "need_full" when
+        the worker refused the delta or could not apply it). A root whose own load failed still
+        reports the workers below it; one that fails otherwise reports none of them."""
         plan = plan_for(root, self.timeout_s, self.egress.max_mb_s)
         try:  # the root's last answer heartbeats while its subtree finishes (toolrl.weightsync.relay)
-            answer = push_weights(root.url, named, version, token=self.token, bucket_mb=self.bucket_mb,
-                                  timeout_s=self.timeout_s, egress=self.egress, headers={PLAN_HEADER: plan.header()})
+            answer = push_weights(root.url, named, version, token=self.token, timeout_s=self.timeout_s,
+                                  egress=self.egress, headers={PLAN_HEADER: plan.header()},
+                                  out=self._outgoing(named, version), delta=delta)
         except WeightSyncError as exc:
             return {root.id: {"error": str(exc)}, **reported_below(root, exc.tree)}
         return outcomes_of(root, answer)
@@ -58,45 +91,67 @@ class HttpTransport:
 
 def push_weights(url: str, named: list[tuple[str, torch.Tensor]], version: int, *, token: str | None = None,
                  bucket_mb: int = 64, timeout_s: float = 120.0, client: httpx.Client | None = None,
-                 egress: Egress | None = None, headers: dict[str, str] | None = None) -> dict:
+                 egress: Egress | None = None, headers: dict[str, str] | None = None,
+                 out: Outgoing | None = None, delta: bool = False) -> dict:
     """Send a full set of weights to one worker; returns its final answer (with `reload_s`).
 
-    Each bucket is streamed from the tensors' own memory (no serialised copy); the next bucket's
-    header and checksum are computed in a thread while this one is on the wire. `egress` counts
-    (and paces) the bytes; `headers` go with every bucket."""
-    # The worker loads each bucket as the next one arrives: send the smallest first, so loading
-    # starts soonest, then the biggest, so what is left after the last byte is a small load.
-    by_size = sorted(bucketize(named, bucket_mb << 20), key=lambda b: sum(t.numel() * t.element_size() for _, t in b))
-    buckets = by_size[:1] + by_size[:0:-1]
+    Each bucket is streamed from the tensors' own memory (no serialised copy), framed once per sync
+    (`out`, or here). With `delta`, each bucket goes as a delta from the version the learner sent
+    last where `out` made one; if the worker refuses it or cannot apply it (`need_full`), the update
+    starts again, whole. `egress` counts (and paces) the bytes; `headers` go with every bucket."""
+    out = out or Outgoing(named, version, bucket_mb << 20)
     own = client is None
     client = client or httpx.Client(timeout=timeout_s)
     egress = egress or Egress()
     t0 = time.time()
-    pool = cf.ThreadPoolExecutor(max_workers=1)
     try:
-        answer: dict = {}
-        framed = pool.submit(frame_weight_bucket, buckets[0], version, 0, len(buckets))
-        for i in range(len(buckets)):
-            header, views = framed.result()
-            if i + 1 < len(buckets):
-                framed = pool.submit(frame_weight_bucket, buckets[i + 1], version, i + 1, len(buckets))
-            size = len(header) + sum(v.nbytes for v in views)
-            try:
-                resp = client.post(f"{url.rstrip('/')}/update_weights", content=_slices(header, views, egress),
-                                   timeout=timeout_s, headers={"Content-Type": CONTENT_TYPE,
-                                                               "Content-Length": str(size),
-                                                               **auth_headers(token), **(headers or {})})
-            except httpx.HTTPError as exc:
-                raise WeightSyncError(f"{url}: bucket {i + 1}/{len(buckets)} of version {version}: "
-                                      f"{type(exc).__name__}: {exc}") from None
-            if resp.status_code != 200:
-                raise refused(url, i, len(buckets), version, resp)
-            answer = resp.json()
-        return confirm_loaded(url, answer, version, t0)
+        try:
+            return confirm_loaded(url, _send(client, url, out, delta, token, timeout_s, egress, headers), version, t0)
+        except WeightSyncError as exc:
+            if not (delta and exc.need_full):
+                raise
+            log.warning("%s: %s; sending version %d whole", url, exc, version)
+        return confirm_loaded(url, _send(client, url, out, False, token, timeout_s, egress, headers), version, t0)
     finally:
-        pool.shutdown(cancel_futures=True)
         if own:
             client.close()
+
+
+def _send(client: httpx.Client, url: str, out: Outgoing, delta: bool, token: str | None, timeout_s: float,
+          egress: Egress, headers: dict[str, str] | None) -> dict:
+    """Every bucket of `out` in order -> the worker's answer to the last one. The next bucket is
+    framed (its checksum computed) in a thread while this one is on the wire."""
+    answer: dict = {}
+    deltas = 0
+    with cf.ThreadPoolExecutor(max_workers=1) as pool:
+        for i in range(out.count):
+            if i + 1 < out.count:
+                pool.submit(out.full, i + 1)
+            answer = _send_one(client, url, out, i, delta, token, timeout_s, egress, headers)
+            deltas += answer.pop("_delta")
+    answer["delta_buckets"] = deltas
+    return answer
+
+
+def _send_one(client: httpx.Client, url: str, out: Outgoing, i: int, delta: bool, token: str | None,
+              timeout_s: float, egress: Egress, headers: dict[str, str] | None) -> dict:
+    """Bucket i (as a delta where one was made and `delta`) -> the worker's answer."""
+    framed = out.delta(i) if delta else None
+    kind = "delta" if framed is not None else "full"
+    header, views = framed or out.full(i)
+    size = len(header) + sum(v.nbytes for v in views)
+    try:
+        resp = client.post(f"{url.rstrip('/')}/update_weights", content=_slices(header, views, egress),
+                           timeout=timeout_s, headers={"Content-Type": CONTENT_TYPE, "Content-Length": str(size),
+                                                       **auth_headers(token), **(headers or {})})
+    except httpx.HTTPError as exc:
+        raise WeightSyncError(f"{url}: bucket {i + 1}/{out.count} of version {out.version}: "
+                              f"{type(exc).__name__}: {exc}") from None
+    finally:
+        out.count_sent(kind, size)
+    if resp.status_code != 200:
+        raise refused(url, i, out.count, out.version, resp)
+    return {**resp.json(), "_delta": kind == "delta"}
 
 
 def refused(who: str, index: int, count: int, version: int, resp: httpx.Response) -> WeightSyncError:

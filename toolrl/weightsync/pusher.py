@@ -10,6 +10,12 @@ With `learner.sync_fanout` (http) the learner sends the update once, down a tree
 that fails inside the tree is routed around by its parent and caught up later by a direct push;
 if the root fails, the workers it did not report on are planned again and sent the update again,
 at most `sync_retries` more times.
+
+With `learner.sync_delta` (http), workers that confirmed the version the learner sent last get
+this one as a delta from it (toolrl.weightsync.delta), directly or down a tree of their own; the
+others get the full weights. A worker that refuses the delta or cannot apply it (`need_full`: it
+does not hold the base after all, or the result did not match its checksum) gets the full weights
+directly in the same sync. The learner keeps one copy of the weights for this.
 """
 from __future__ import annotations
 
@@ -59,11 +65,12 @@ class WeightSync:
         self.last: dict = {}
         self.refused: set[str] = set()  # untrusted worker URLs, logged once
 
-    def _push_one(self, worker: dict, named, version: int) -> dict:
+    def _push_one(self, worker: dict, named, version: int, delta: bool = False) -> dict:
         err = None
         for attempt in range(self.retry.retries + 1):
-            try:
-                return self.transport.push(worker, named, version)
+            try:  # a delta is tried once: whatever went wrong, the full weights will do
+                return self.transport.push(worker, named, version, delta=True) if delta and not attempt \
+                    else self.transport.push(worker, named, version)
             except WeightSyncError as exc:
                 err = exc
                 log.warning("sync to %s failed (attempt %d/%d): %s", worker["id"], attempt + 1,
@@ -90,9 +97,21 @@ class WeightSync:
         workers = self.trusted(self.ref.workers() if workers is None else workers)
         egress = getattr(self.transport, "egress", None)
         sent0 = egress.sent if egress is not None else 0
-        fanout = self.cfg.learner.sync_fanout
-        outcomes = self._push_tree(named, version, workers, fanout) if fanout and not direct and len(workers) > 1 \
-            else self._push_direct(named, version, workers)
+        fresh = self._prepare(named, version, workers)
+        try:
+            deltas = fresh or []
+            groups = [(g, d) for g, d in ((deltas, True), ([w for w in workers if w not in deltas], False)) if g]
+            outcomes: dict[str, dict] = {}
+            with cf.ThreadPoolExecutor(max_workers=max(1, len(groups))) as pool:  # deltas and full at once
+                for got in pool.map(lambda gd: self._push_group(named, version, gd[0], gd[1], direct), groups):
+                    outcomes.update(got)
+            again = [w for w in deltas if (outcomes.get(w["id"]) or {}).get("need_full")]
+            if again:
+                log.warning("%d worker(s) refused the delta or could not apply it; sending them version %d whole: %s",
+                            len(again), version, [w["id"] for w in again])
+                outcomes.update(self._push_direct(named, version, again))
+        finally:
+            out = self.transport.release() if fresh is not None else None
         ok, failed = {}, {}
         for w in workers:
             a = outcomes.get(w["id"]) or {"error": "no outcome"}
@@ -114,14 +133,34 @@ class WeightSync:
                      "interrupted": sum(a.get("interrupted", 0) for a in ok.values())}
         if egress is not None:
             self.last["egress_bytes"] = egress.sent - sent0  # what left the learner for this push
+        if out is not None:  # of which deltas, and what one full copy is
+            self.last.update(delta_bytes=out.sent["delta"], copy_bytes=out.copy_bytes)
         return {**self.last, "failed": failed}
 
-    def _push_direct(self, named, version: int, workers: list[dict]) -> dict[str, dict]:
+    def _prepare(self, named, version: int, workers: list[dict]) -> list[dict] | None:
+        """Frame the update once for this sync (a transport that can: http) -> the workers to send it
+        as a delta: those that confirmed the version the learner sent last, among those
+        `learner.sync_delta` names (auto: remote ones; on: all). None: the transport frames nothing."""
+        prepare = getattr(self.transport, "prepare", None)
+        if prepare is None:
+            return None
+        mode = self.cfg.learner.sync_delta
+        wants = [w for w in workers if mode == "on" or (mode == "auto" and urlsplit(w["url"]).hostname not in LOOPBACK)]
+        base = prepare(named, version, keep=bool(wants))
+        return [w for w in wants if base is not None and self.pushed.get((w["id"], w["url"])) == base]
+
+    def _push_group(self, named, version: int, workers: list[dict], delta: bool, direct: bool) -> dict[str, dict]:
+        fanout = self.cfg.learner.sync_fanout
+        if fanout and not direct and len(workers) > 1:
+            return self._push_tree(named, version, workers, fanout, delta)
+        return self._push_direct(named, version, workers, delta)
+
+    def _push_direct(self, named, version: int, workers: list[dict], delta: bool = False) -> dict[str, dict]:
         """The learner sends every worker the update itself. -> {id: its answer, or {"error"}}"""
         outcomes: dict[str, dict] = {}
         if workers:
             with cf.ThreadPoolExecutor(max_workers=min(8, len(workers))) as pool:
-                futs = {pool.submit(self._push_one, w, named, version): w for w in workers}
+                futs = {pool.submit(self._push_one, w, named, version, delta): w for w in workers}
                 for fut in cf.as_completed(futs):
                     try:
                         outcomes[futs[fut]["id"]] = fut.result()
@@ -129,7 +168,7 @@ class WeightSync:
                         outcomes[futs[fut]["id"]] = {"error": str(exc)}
         return outcomes
 
-    def _push_tree(self, named, version: int, workers: list[dict], fanout: int) -> dict[str, dict]:
+    def _push_tree(self, named, version: int, workers: list[dict], fanout: int, delta: bool = False) -> dict[str, dict]:
         """The update once down a tree of `workers`; a root that fails takes no outcome with it for
         the workers below it, who are planned again without it (at most `sync_retries` more times)."""
         outcomes: dict[str, dict] = {}
@@ -138,7 +177,9 @@ class WeightSync:
         for attempt in range(self.retry.retries + 1):
             roots = make_plans(left, fanout)
             with cf.ThreadPoolExecutor(max_workers=len(roots)) as pool:
-                for got in pool.map(lambda r: self.transport.push_tree(r, named, version), roots):
+                send = (lambda r: self.transport.push_tree(r, named, version, delta=True)) if delta else \
+                    (lambda r: self.transport.push_tree(r, named, version))
+                for got in pool.map(send, roots):
                     outcomes.update(got)
             left = [w for w in left if w["id"] not in outcomes]
             if not left:
