@@ -82,7 +82,8 @@ def _shuffle(x: np.ndarray, size: int) -> np.ndarray:
 
 
 def _unshuffle(x: np.ndarray, size: int) -> np.ndarray:
-    return x if size == 1 else x.reshape(size, -1).T.ravel()
+    # np.stack: 1.2-2 GB/s here, where x.reshape(size, -1).T.ravel() made 20-400 MB/s
+    return x if size == 1 else np.stack(x.reshape(size, -1), axis=1).ravel()
 
 
 _local = threading.local()
@@ -142,9 +143,9 @@ def store(pieces: list[memoryview], base: np.ndarray) -> None:
 class DeltaApplier:
     """Applies a delta's body to a data region in place, and hashes the result: `feed` it the body
     as it arrives, and `step` applies the next block once it is whole (one at a time, so a caller on
-    an event loop can let others run between blocks). `region` is read and written through slices,
-    as an mmap is: no buffer is exported, so the slot's mapping can still be closed or resized.
-    `hasher` already holds the bucket's meta JSON (toolrl.protocol.hasher)."""
+    an event loop can let others run between blocks). `region` (an mmap, a bytearray) is written in
+    place, through a view that lives only while a block is applied. `hasher` already holds the
+    bucket's meta JSON (toolrl.protocol.hasher)."""
 
     def __init__(self, region, offset: int, blocks: list[Block], hasher):
         self.region, self.offset, self.blocks, self.hash = region, offset, blocks, hasher
@@ -173,23 +174,27 @@ class DeltaApplier:
         if self.next >= len(self.blocks):
             raise DeltaMismatch(f"the delta has more than the bucket's {len(self.blocks)} blocks")
         a, b, size = self.blocks[self.next]
-        a, b = a + self.offset, b + self.offset
         self.next += 1
-        old = self.region[a:b]
-        if not frame:  # unchanged
-            self.hash.update(old)
-            return
+        x = None  # an empty frame: the block is unchanged
+        if frame:
+            try:
+                if zstandard.frame_content_size(frame) != b - a:  # checked before anything is decompressed
+                    raise DeltaMismatch(f"block {self.next - 1} of the delta does not declare its {b - a} bytes")
+                x = self._dctx.decompress(frame, max_output_size=b - a)
+            except zstandard.ZstdError as exc:
+                raise DeltaMismatch(f"block {self.next - 1} of the delta does not decompress: {exc}") from None
+            if len(x) != b - a:
+                raise DeltaMismatch(f"block {self.next - 1} of the delta has {len(x)} bytes, not {b - a}")
+            x = _unshuffle(np.frombuffer(x, dtype=np.uint8), size)
+        # the block in place, through a view made after anything here can fail and dropped before
+        # returning: an exported buffer would stop the slot's mapping from being closed or resized
+        view = np.frombuffer(self.region, dtype=np.uint8, count=b - a, offset=self.offset + a)
         try:
-            if zstandard.frame_content_size(frame) != b - a:  # checked before anything is decompressed
-                raise DeltaMismatch(f"block {self.next - 1} of the delta does not declare its {b - a} bytes")
-            x = self._dctx.decompress(frame, max_output_size=b - a)
-        except zstandard.ZstdError as exc:
-            raise DeltaMismatch(f"block {self.next - 1} of the delta does not decompress: {exc}") from None
-        if len(x) != b - a:
-            raise DeltaMismatch(f"block {self.next - 1} of the delta has {len(x)} bytes, not {b - a}")
-        new = np.bitwise_xor(np.frombuffer(old, dtype=np.uint8), _unshuffle(np.frombuffer(x, dtype=np.uint8), size))
-        self.region[a:b] = new.tobytes()
-        self.hash.update(new)
+            if x is not None:
+                np.bitwise_xor(view, x, out=view)
+            self.hash.update(view)
+        finally:
+            del view
 
     def finish(self, expected_xxh3: str) -> None:
         """Every block applied and the bucket's checksum holds, or DeltaMismatch."""
