@@ -4,6 +4,7 @@ sends deltas to. The same through real worker processes and the real learner:
 tests/weightsync/test_delta_sync.py."""
 import asyncio
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from toolrl.config import ConfigError, load_config
 from toolrl.protocol import hasher
 from toolrl.weightsync.buckets import WeightBucketReader
 from toolrl.weightsync.delta import BLOCK, DeltaApplier, DeltaMismatch, block_plan, encode
+from toolrl.weightsync.http import HttpTransport
 from toolrl.weightsync.outgoing import LastSent, Outgoing
 from toolrl.weightsync.pusher import WeightSync
 from toolrl.weightsync.receiver import WeightAssembler, bucket_file
@@ -306,3 +308,28 @@ def test_sync_delta_reads_yaml_on_and_off_and_is_an_http_option():
     assert load_config("configs/cpu_tiny.yaml").learner.sync_delta == "auto"
     with pytest.raises(ConfigError, match="http only"):
         load_config("configs/cpu_tiny.yaml", ["learner.sync_transport=process_group", "learner.sync_delta=on"])
+
+
+def test_a_stuck_encoder_or_a_failing_prepare_costs_the_deltas_never_the_sync():
+    t = HttpTransport(None, 1, timeout_s=0.2)
+    assert t.prepare(_named(), 1, keep=True) is None  # the first version: kept, no base
+    t.last.encoder.join(10)
+    stuck = threading.Event()
+    t.last.encoder = threading.Thread(target=stuck.wait, args=(10,), daemon=True)
+    t.last.encoder.start()
+    old = t.last
+    assert t.prepare(_named(changed={"embed"}), 2, keep=True) is None  # not a base while it is written
+    t.release()
+    stuck.set()
+    assert t.last is not old
+    t.last.encoder.join(10)
+    assert t.last.version == 2  # kept afresh: the next sync has its base
+
+    class Broken(DeltaRecorder):
+        def prepare(self, named, version, keep):
+            raise RuntimeError("out of memory")
+    cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "ref_server.token=t",
+                                                "learner.sync_delta=on"])
+    b = Broken()
+    assert WeightSync(cfg, Registry(WORKERS), transport=b).push([], 1)["workers_ok"] == 2
+    assert dict(b.sent) == {"local": "full", "remote": "full"}

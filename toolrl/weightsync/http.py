@@ -28,7 +28,7 @@ from toolrl.net import auth_headers
 from toolrl.protocol import CONTENT_TYPE
 from toolrl.weightsync.egress import Egress
 from toolrl.weightsync.fanout import PLAN_HEADER, PlanNode, outcomes_of, plan_for, reported_below
-from toolrl.weightsync.outgoing import LastSent, Outgoing
+from toolrl.weightsync.outgoing import EncoderBusy, LastSent, Outgoing
 from toolrl.weightsync.transport import WeightSyncError, confirm_loaded
 
 log = logging.getLogger("learner")
@@ -50,11 +50,17 @@ class HttpTransport:
         """Frame `version`'s update for the pushes of one sync. With `keep`, the learner keeps a copy
         of it for the next sync's deltas (one copy of the weights; without, a copy kept is dropped).
         Returns the version this sync's deltas apply to, or None: no deltas this time."""
+        self.out = None
         if not keep and (self.last is None or self.last.version != version):
             self.last = None
         elif keep and self.last is None:
             self.last = LastSent()
-        self.out = Outgoing(named, version, self.bucket_mb << 20, self.last, wait_s=self.timeout_s)
+        try:
+            self.out = Outgoing(named, version, self.bucket_mb << 20, self.last, wait_s=self.timeout_s)
+        except EncoderBusy as exc:  # never wait on it again: start over with a fresh copy
+            log.warning("%s; keeping version %d afresh, no deltas this sync", exc, version)
+            self.last = LastSent()
+            self.out = Outgoing(named, version, self.bucket_mb << 20, self.last, wait_s=self.timeout_s)
         return self.out.base
 
     def release(self) -> Outgoing | None:

@@ -45,6 +45,10 @@ def _checksum(header: bytes) -> str:
     return read_header(header, len(header), SCHEMA_WEIGHTS)[2]["xxh3_64"]
 
 
+class EncoderBusy(RuntimeError):
+    """The last version's encoder is still writing the kept copy: it cannot be a base."""
+
+
 class LastSent:
     """The last version the learner sent: each bucket's data region (uint8) and checksum. Written
     by one encoder at a time (`encoder`); between syncs it holds one version whole."""
@@ -82,7 +86,7 @@ class Outgoing:
         if last is not None and last.encoder is not None:  # the last version's encoder has bounded work left
             last.encoder.join(wait_s)
             if last.encoder.is_alive():
-                raise RuntimeError(f"encoding the last version did not finish within {wait_s:.0f}s")
+                raise EncoderBusy(f"encoding the last version did not finish within {wait_s:.0f}s")
         if last is None or last.version == version:  # nothing to keep, or kept already (a catch-up)
             for f in self._deltas:
                 f.set_result(None)

@@ -146,7 +146,11 @@ class WeightSync:
             return None
         mode = self.cfg.learner.sync_delta
         wants = [w for w in workers if mode == "on" or (mode == "auto" and urlsplit(w["url"]).hostname not in LOOPBACK)]
-        base = prepare(named, version, keep=bool(wants))
+        try:
+            base = prepare(named, version, keep=bool(wants))
+        except Exception:  # deltas are an optimisation: the full weights still go out
+            log.exception("could not prepare version %d's deltas; sending the full weights", version)
+            return []
         return [w for w in wants if base is not None and self.pushed.get((w["id"], w["url"])) == base]
 
     def _push_group(self, named, version: int, workers: list[dict], delta: bool, direct: bool) -> dict[str, dict]:
