@@ -1,7 +1,8 @@
 """Faults through launch.sh itself, as a user meets them (every service with its per-run token):
 the executor dies and launch.sh restarts it; the last gen worker dies and launch.sh stops everything
-cleanly; `launch.sh --resume` continues from the checkpoint; the reference server dies and
-everything stops."""
+cleanly; `launch.sh --resume` continues from the checkpoint; the learner is killed and launch.sh
+stops everything, and resumes again, with no gen worker of its own, waiting for one to join; the
+reference server dies and everything stops."""
 import json
 import os
 import signal
@@ -20,14 +21,17 @@ STEPS = 200  # far more than the test waits for: each phase ends it
 
 
 def pids_of(script: str, port: int) -> list[int]:
-    """Processes running `script` on `port` (their command line names both)."""
+    """Processes running `script` on `port` (their command line names both: `--port N`, or a URL or
+    setting that ends in it, as the learner's `ref_server.url=http://127.0.0.1:N`)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(a.endswith(script.encode()) for a in cmd) and str(port).encode() in cmd:
+        p = str(port).encode()
+        if any(a.endswith(script.encode()) for a in cmd) and any(a == p or a.endswith((b":" + p, b"=" + p))
+                                                                 for a in cmd):
             found.append(int(pid))
     return found
 
@@ -107,7 +111,25 @@ def test_faults_through_launch_sh(tmp_path):
         text = learner_log.read_text()
         assert f"resumed at step {ckpt}" in text and "handed back the problem-stream state of 1 workers" in text
 
-        # 4. the reference server dies: everything stops
+        # 4. the learner is killed: launch.sh stops everything and says the learner failed; a second
+        # --resume continues from the newest checkpoint
+        wait_for("a checkpoint after the resume", lambda: int((run_dir / "checkpoints" / "latest").read_text()
+                                                              .strip().removeprefix("step")) > ckpt, 600, launch)
+        for pid in pids_of("learner.py", ports["ref"]):  # the launcher and its rank: both name the ref server
+            os.kill(pid, signal.SIGKILL)
+        out = stopped_cleanly(launch, ports)
+        assert launch.returncode == 1 and "learner failed" in out, out[-2000:]
+        ckpt = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
+        learner_log.rename(tmp_path / "learner.killed.log")
+        # this time with no gen worker of its own (--workers 0, as configs/slurm.sbatch's node 0):
+        # launch.sh waits for one to join instead of stopping for want of one
+        launch = start(run_dir, ports, "--resume", "--workers", "0")
+        wait_for("the learner resumes again", lambda: learner_log.is_file()
+                 and f"resumed at step {ckpt}" in learner_log.read_text(), 900, launch)
+        time.sleep(8)  # several rounds of launch.sh's watch
+        assert launch.poll() is None and "waiting for workers to join" in launch.out.read_text()
+
+        # 5. the reference server dies: everything stops
         for pid in pids_of("ref_server.py", ports["ref"]):
             os.kill(pid, signal.SIGKILL)
         out = stopped_cleanly(launch, ports)
