@@ -346,7 +346,11 @@ set +e
 wait "${PIDS[learner]}"; RC=$?
 set -e
 progress
-[ "$RC" = 0 ] || { echo "launch.sh: learner failed (exit $RC); last lines:" >&2; learner_tail "$RUN_DIR/logs/learner.log"; exit 1; }
+if [ "$RC" != 0 ]; then
+  # A learner that lost its reference server fails too: name the cause, not the symptom.
+  if ! kill -0 "${PIDS[ref_server]}" 2>/dev/null; then echo "launch.sh: ref_server died; stopping" >&2; exit 1; fi
+  echo "launch.sh: learner failed (exit $RC); last lines:" >&2; learner_tail "$RUN_DIR/logs/learner.log"; exit 1
+fi
 echo "training done; checking every worker against the final policy and writing the report"
 "$PY" -m toolrl.learner.report "$RUN_DIR" "${COMMON[@]}" --wall-s $(( $(date +%s) - STARTED_AT )) | tee "$RUN_DIR/logs/summary.log"
 echo "summary: $RUN_DIR/summary.json   curves: $RUN_DIR/curves.png"
