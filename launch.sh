@@ -140,7 +140,8 @@ if [ -z "$DRY_RUN" ]; then
   if [ "$NODE_RANK" = 0 ]; then  # node R shares this directory: node 0 alone writes these
     "$PY" config.py --config "$CONFIG" "${SETS[@]}" --print > "$RUN_DIR/config.yaml"  # tokens shown as ***
     (umask 077; printf 'TOOLRL_EXECUTOR_TOKEN=%s\nTOOLRL_REF_SERVER_TOKEN=%s\nTOOLRL_ROLLOUT_TOKEN=%s\n' \
-      "$TOOLRL_EXECUTOR_TOKEN" "$TOOLRL_REF_SERVER_TOKEN" "$TOOLRL_ROLLOUT_TOKEN" > "$RUN_DIR/tokens.env")
+      "$TOOLRL_EXECUTOR_TOKEN" "$TOOLRL_REF_SERVER_TOKEN" "$TOOLRL_ROLLOUT_TOKEN" > "$RUN_DIR/tokens.env.tmp" &&
+     mv "$RUN_DIR/tokens.env.tmp" "$RUN_DIR/tokens.env")  # whole or absent: other nodes read it as it lands
   fi
 fi
 HEAD=127.0.0.1  # where this node reaches the executor and the reference server: here, or node 0
@@ -315,9 +316,16 @@ progress() {  # the learner's step and eval lines not shown yet
 EX_RESTARTS=0
 # With no gen worker of its own (launch.workers 0: they all join from other nodes), the run only
 # stops for want of workers once one has registered.
-SEEN=$(( WORKERS > 0 ))
+# The registry is asked only while no local worker lives; an answer that fails (slow, refused) is no
+# answer, and the run stops after 5 empty ones in a row (a lapse of heartbeats is not a departure).
+SEEN=$(( WORKERS > 0 )); EMPTY=0
 [ "$SEEN" = 1 ] || echo "no gen worker on this node: waiting for workers to join (ref_server.host must be reachable)"
-registered() { "$PY" -c "import os, sys; from toolrl.refserver.client import RefServerClient as C; sys.exit(not C('http://127.0.0.1:$REF_PORT', token=os.environ['TOOLRL_REF_SERVER_TOKEN'], timeout_s=5).workers())" 2>/dev/null; }
+registered() {  # exit 0: workers registered; 1: none; 2: no answer
+  "$PY" -c "import os, sys; from toolrl.refserver.client import RefServerClient as C
+try: n = len(C('http://127.0.0.1:$REF_PORT', token=os.environ['TOOLRL_REF_SERVER_TOKEN'], timeout_s=5).workers())
+except Exception: sys.exit(2)
+sys.exit(0 if n else 1)" 2>/dev/null
+}
 while kill -0 "${PIDS[learner]}" 2>/dev/null; do
   progress
   if ! kill -0 "${PIDS[ref_server]}" 2>/dev/null; then echo "launch.sh: ref_server died; stopping" >&2; exit 1; fi
@@ -337,8 +345,12 @@ while kill -0 "${PIDS[learner]}" 2>/dev/null; do
   done
   # Workers that joined from elsewhere also count: only give up when the registry is empty too.
   if [ $alive = 0 ]; then
-    if registered; then SEEN=1
-    elif [ "$SEEN" = 1 ]; then echo "launch.sh: no gen worker left; stopping" >&2; exit 1; fi
+    rc=0; registered || rc=$?
+    if [ $rc = 0 ]; then SEEN=1; EMPTY=0
+    elif [ $rc = 1 ] && [ "$SEEN" = 1 ]; then
+      EMPTY=$((EMPTY + 1))
+      [ $EMPTY -ge 5 ] && { echo "launch.sh: no gen worker left; stopping" >&2; exit 1; }
+    fi
   fi
   sleep 2
 done

@@ -44,7 +44,7 @@ from toolrl.config import load_config  # noqa: E402
 from toolrl.net import free_port  # noqa: E402
 from toolrl.weightsync.outgoing import LastSent, Outgoing  # noqa: E402
 from toolrl.weightsync.pusher import WeightSync  # noqa: E402
-from toolrl.worker.standin import tensor_digest  # noqa: E402
+from toolrl.worker.standin import FixedRegistry, tensor_digest  # noqa: E402
 
 TOKEN = "bench-delta"
 
@@ -115,24 +115,13 @@ class Receiver:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-class Registry:
-    def __init__(self, workers):
-        self.list = workers
-
-    def workers(self):
-        return [dict(w) for w in self.list]
-
-    def set_version(self, v):
-        pass
-
-
 def learner(worker: dict, cap: float, bucket_mb: int) -> WeightSync:
     """A fresh learner: it keeps nothing yet, so its first push is full and its second a delta."""
     cfg = load_config(ROOT / "configs/cpu_tiny.yaml", [
         "logging.wandb_mode=disabled", f"rollout.token={TOKEN}", "learner.sync_delta=on",
         f"learner.sync_bucket_mb={bucket_mb}", f"learner.sync_max_mb_s={cap}", "learner.sync_timeout_s=120",
         "learner.sync_retries=0"])
-    return WeightSync(cfg, Registry([worker]))
+    return WeightSync(cfg, FixedRegistry([worker]))
 
 
 def push(s: WeightSync, worker: dict, named, version: int) -> dict:

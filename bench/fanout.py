@@ -38,7 +38,7 @@ from toolrl.config import load_config  # noqa: E402
 from toolrl.net import free_port  # noqa: E402
 from toolrl.weightsync.fanout import make_plans  # noqa: E402
 from toolrl.weightsync.pusher import WeightSync  # noqa: E402
-from toolrl.worker.standin import tensor_digest  # noqa: E402
+from toolrl.worker.standin import FixedRegistry, tensor_digest  # noqa: E402
 
 TOKEN = "bench-fanout"
 
@@ -87,17 +87,6 @@ class Receivers:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-class Registry:
-    def __init__(self, workers):
-        self.list = workers
-
-    def workers(self):
-        return [dict(w) for w in self.list]
-
-    def set_version(self, v):
-        pass
-
-
 def sync(workers, named, version: int, fanout: int, args) -> dict:
     """One timed push of `named` at `version` to `workers`; every receiver's digests are checked."""
     named[-1][1].fill_(version)  # each version's weights differ
@@ -105,7 +94,7 @@ def sync(workers, named, version: int, fanout: int, args) -> dict:
         "logging.wandb_mode=disabled", f"rollout.token={TOKEN}", f"learner.sync_fanout={fanout}",
         f"learner.sync_bucket_mb={args.bucket_mb}", f"learner.sync_max_mb_s={args.max_mb_s}",
         "learner.sync_timeout_s=120", "learner.sync_retries=0"])
-    res = WeightSync(cfg, Registry(workers)).push(named, version)
+    res = WeightSync(cfg, FixedRegistry(workers)).push(named, version)
     if res["failed"]:
         raise RuntimeError(f"sync of version {version} failed: {res['failed']}")
     want = {n: tensor_digest(t) for n, t in named}

@@ -17,6 +17,7 @@ from toolrl.weightsync.delta import BLOCK, DeltaApplier, DeltaMismatch, block_pl
 from toolrl.weightsync.http import HttpTransport
 from toolrl.weightsync.outgoing import LastSent, Outgoing
 from toolrl.weightsync.pusher import WeightSync
+from toolrl.worker.standin import FixedRegistry
 from toolrl.weightsync.receiver import WeightAssembler, bucket_file
 from toolrl.weightsync.transport import BaseMissing, WeightSyncError
 from toolrl.weightsync.vllm_ext import iter_bucket_files
@@ -265,17 +266,6 @@ class DeltaRecorder:
         pass
 
 
-class Registry:
-    def __init__(self, workers):
-        self.list = workers
-
-    def workers(self):
-        return [dict(w) for w in self.list]
-
-    def set_version(self, v):
-        pass
-
-
 WORKERS = [{"id": "local", "url": "http://127.0.0.1:8300"}, {"id": "remote", "url": "http://10.0.0.7:8300"}]
 
 
@@ -286,7 +276,7 @@ def test_deltas_go_to_the_workers_that_confirmed_the_last_version_as_sync_delta_
     cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "ref_server.token=t",
                                                 f"learner.sync_delta={mode}", "learner.sync_retries=0"])
     t = DeltaRecorder()
-    s = WeightSync(cfg, Registry(WORKERS), transport=t)
+    s = WeightSync(cfg, FixedRegistry(WORKERS), transport=t)
     s.push([], 1)
     assert dict(t.sent) == {"local": "full", "remote": "full"}  # nothing kept yet
     t.sent.clear()
@@ -331,5 +321,5 @@ def test_a_stuck_encoder_or_a_failing_prepare_costs_the_deltas_never_the_sync():
     cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "ref_server.token=t",
                                                 "learner.sync_delta=on"])
     b = Broken()
-    assert WeightSync(cfg, Registry(WORKERS), transport=b).push([], 1)["workers_ok"] == 2
+    assert WeightSync(cfg, FixedRegistry(WORKERS), transport=b).push([], 1)["workers_ok"] == 2
     assert dict(b.sent) == {"local": "full", "remote": "full"}

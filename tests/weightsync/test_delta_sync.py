@@ -5,21 +5,19 @@ the real WeightSync over the real HTTP transport, with `learner.sync_delta: on` 
 loopback). Every sync is checked bit-exact against the digests of the weights pushed, which are
 what a full push gives."""
 import itertools
-import os
-import signal
 
 import httpx
 import pytest
 import torch
 
-from procs import Proc, free_port
+from standin_pool import Pool
 from toolrl.config import load_config
 from toolrl.net import auth_headers
 from toolrl.protocol import CONTENT_TYPE
 from toolrl.weightsync.fanout import make_plans
 from toolrl.weightsync.outgoing import LastSent, Outgoing
 from toolrl.weightsync.pusher import WeightSync
-from toolrl.worker.standin import tensor_digest
+from toolrl.worker.standin import FixedRegistry, tensor_digest
 
 TOKEN = "delta-secret"
 N = 4  # fanout 2: w0 -> w1 (-> w3), w2
@@ -41,42 +39,9 @@ def _named(step: int = 0, layers=(), extra: bool = False) -> list[tuple[str, tor
     return out + ([("model.extra", torch.zeros(16))] if extra else [])
 
 
-class Pool:
-    def __init__(self, log_dir):
-        self.log_dir = log_dir
-        self.ports = [free_port() for _ in range(N)]
-        self.procs: list[Proc | None] = [None] * N
-
-    def worker(self, i: int) -> dict:
-        return {"id": f"w{i}", "url": f"http://127.0.0.1:{self.ports[i]}", "policy_version": 0}
-
-    @property
-    def workers(self) -> list[dict]:
-        return [self.worker(i) for i in range(N)]
-
-    def start(self, indices) -> None:
-        for i in indices:
-            self.procs[i] = Proc(f"w{i}", ["-m", "toolrl.worker.standin", "--id", f"w{i}", "--port",
-                                           str(self.ports[i]), "--token", TOKEN, "--timeout-s", "30"], self.log_dir)
-        for i in indices:
-            self.procs[i].wait_http(f"{self.worker(i)['url']}/health", timeout_s=180)
-
-    def restart(self, i: int) -> None:
-        """The worker comes back empty: it holds no version."""
-        os.kill(self.procs[i].p.pid, signal.SIGKILL)
-        self.procs[i].p.wait(30)
-        self.procs[i].stop()
-        self.start([i])
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p is not None:
-                p.stop()
-
-
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    p = Pool(tmp_path_factory.mktemp("delta"))
+    p = Pool(tmp_path_factory.mktemp("delta"), N, TOKEN)
     try:
         p.start(range(N))
         yield p
@@ -84,22 +49,11 @@ def pool(tmp_path_factory):
         p.stop()
 
 
-class Registry:
-    def __init__(self, workers):
-        self.list = workers
-
-    def workers(self):
-        return [dict(w) for w in self.list]
-
-    def set_version(self, v):
-        pass
-
-
 def _sync(workers, *sets) -> WeightSync:
     cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", f"rollout.token={TOKEN}",
                                                 "learner.sync_delta=on", "learner.sync_bucket_mb=1",
                                                 "learner.sync_timeout_s=20", "learner.sync_retries=1", *sets])
-    return WeightSync(cfg, Registry(workers))
+    return WeightSync(cfg, FixedRegistry(workers))
 
 
 def _loaded(w: dict) -> dict:

@@ -11,8 +11,8 @@ from toolrl.config import ConfigError, load_config
 from toolrl.weightsync.egress import MIB, Egress
 from toolrl.weightsync.fanout import (MAX_DEPTH, MAX_PLAN_BYTES, PlanError, PlanNode, make_plans,
                                       outcomes_of, parse_plan, plan_for)
-from fake_registry import Registry
 from toolrl.weightsync.pusher import WeightSync
+from toolrl.worker.standin import FixedRegistry
 
 
 def _workers(n, url="http://127.0.0.1:{port}"):
@@ -142,7 +142,7 @@ class FakeTree:
 
 def _sync(transport, workers, *sets):
     cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "learner.sync_fanout=2", *sets])
-    return WeightSync(cfg, Registry(workers), transport=transport)
+    return WeightSync(cfg, FixedRegistry(workers), transport=transport)
 
 
 def test_the_learner_records_each_worker_of_the_tree_and_plans_again_without_a_failed_root():

@@ -6,8 +6,6 @@ silenced (SIGSTOP) mid-update; relays are corrupted and sent out of order."""
 import asyncio
 import itertools
 import json
-import os
-import signal
 import threading
 import time
 
@@ -15,18 +13,17 @@ import httpx
 import pytest
 import torch
 
-from procs import Proc, free_port
+from standin_pool import Pool
 from toolrl.config import load_config
 from toolrl.net import auth_headers
 from toolrl.protocol import CONTENT_TYPE
 from toolrl.weightsync.buckets import bucketize, encode_weight_bucket
 from toolrl.weightsync.fanout import PLAN_HEADER, FanoutPlan, PlanNode, make_plans, plan_for
 from toolrl.weightsync.gate import WeightGate
-from fake_registry import Registry
 from toolrl.weightsync.pusher import WeightSync
 from toolrl.weightsync.receiver import WeightAssembler, bucket_file
 from toolrl.weightsync.relay import Relay
-from toolrl.worker.standin import tensor_digest
+from toolrl.worker.standin import FixedRegistry, tensor_digest
 from toolrl.weightsync.vllm_ext import iter_bucket_files
 
 TOKEN = "fanout-secret"
@@ -41,61 +38,9 @@ def _named(seed: int) -> list[tuple[str, torch.Tensor]]:
     return big + [("model.norm.weight", torch.randn(1024, generator=g)), ("model.step", torch.arange(5) + seed)]
 
 
-class Pool:
-    """The receivers, restarted (or resumed) between tests when a test killed (or stopped) one."""
-
-    def __init__(self, log_dir):
-        self.log_dir = log_dir
-        self.ports = [free_port() for _ in range(N)]
-        self.procs: list[Proc | None] = [None] * N
-        self.stopped: set[int] = set()
-
-    def worker(self, i: int) -> dict:
-        return {"id": f"w{i}", "url": f"http://127.0.0.1:{self.ports[i]}", "policy_version": 0}
-
-    @property
-    def workers(self) -> list[dict]:
-        return [self.worker(i) for i in range(N)]
-
-    def start(self, indices) -> None:
-        for i in indices:
-            self.procs[i] = Proc(f"w{i}", ["-m", "toolrl.worker.standin", "--id", f"w{i}", "--port",
-                                           str(self.ports[i]), "--token", TOKEN, "--timeout-s", "30"], self.log_dir)
-        for i in indices:
-            self.procs[i].wait_http(f"{self.worker(i)['url']}/health", timeout_s=180)
-
-    def kill(self, i: int) -> None:
-        os.kill(self.procs[i].p.pid, signal.SIGKILL)
-
-    def pause(self, i: int) -> None:
-        self.stopped.add(i)
-        os.kill(self.procs[i].p.pid, signal.SIGSTOP)
-
-    def heal(self) -> None:
-        for i in list(self.stopped):
-            os.kill(self.procs[i].p.pid, signal.SIGCONT)
-        self.stopped.clear()
-        dead = [i for i, p in enumerate(self.procs) if p is None or p.p.poll() is not None]
-        for i in dead:
-            self.procs[i].stop()
-        if dead:
-            self.start(dead)
-        for w in self.workers:  # idle again: no update half-way anywhere (a resumed relay ends by its timeout)
-            deadline = time.time() + 60
-            while httpx.get(f"{w['url']}/health", timeout=5).json()["update_phase"] is not None:
-                assert time.time() < deadline, f"{w['id']} is still in an update"
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.heal()
-        for p in self.procs:
-            if p is not None:
-                p.stop()
-
-
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    p = Pool(tmp_path_factory.mktemp("fanout"))
+    p = Pool(tmp_path_factory.mktemp("fanout"), N, TOKEN)
     try:
         p.start(range(N))
         yield p
@@ -113,7 +58,7 @@ def _sync(workers, *sets) -> WeightSync:
     cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", f"rollout.token={TOKEN}",
                                                 "learner.sync_fanout=2", "learner.sync_bucket_mb=1",
                                                 "learner.sync_timeout_s=20", "learner.sync_retries=1", *sets])
-    return WeightSync(cfg, Registry(workers))
+    return WeightSync(cfg, FixedRegistry(workers))
 
 
 def _loaded(w: dict) -> dict:

@@ -2,8 +2,8 @@
 import logging
 
 from toolrl.config import load_config
-from fake_registry import Registry
 from toolrl.weightsync.pusher import WeightSync
+from toolrl.worker.standin import FixedRegistry
 
 WORKERS = [{"id": "local", "url": "http://127.0.0.1:8300", "policy_version": 0},
            {"id": "other-node", "url": "http://10.1.2.3:8300", "policy_version": 0},
@@ -27,7 +27,7 @@ class Recorder:
 def sync(*sets):
     cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "rollout.token=secret", *sets])
     t = Recorder()
-    return WeightSync(cfg, Registry(WORKERS), transport=t), t
+    return WeightSync(cfg, FixedRegistry(WORKERS), transport=t), t
 
 
 def test_an_open_registry_gets_weights_to_loopback_and_trusted_hosts_only(caplog):

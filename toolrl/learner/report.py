@@ -298,6 +298,7 @@ def main() -> None:
     for w in s["workers"]:
         print(f"  worker {w['id']}: v{w['policy_version']}  "
               + ("probe error " + w["probe_error"] if "probe_error" in w else
+                 "not probed: " + w["probe_skipped"] if "probe_skipped" in w else
                  f"probe |Δ| vs policy {w.get('probe_max_abs_diff_export', float('nan')):.2e}, "
                  f"vs base {w.get('probe_max_abs_diff_base', float('nan')):.2e}"))
 

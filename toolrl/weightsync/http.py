@@ -89,6 +89,8 @@ class HttpTransport:
                                   out=self._outgoing(named, version), delta=delta)
         except WeightSyncError as exc:
             return {root.id: {"error": str(exc)}, **reported_below(root, exc.tree)}
+        except Exception as exc:  # an answer that is not what a worker sends: the root failed, no more
+            return {root.id: {"error": f"{root.url}: {type(exc).__name__}: {exc}"}}
         return outcomes_of(root, answer)
 
     def forget(self, live: set[tuple[str, str]]) -> None:

@@ -30,6 +30,20 @@ from toolrl.weightsync.vllm_ext import iter_bucket_files
 from toolrl.worker.app import build_app
 
 
+class FixedRegistry:
+    """The worker registry as the learner's pusher reads it (`workers()`, `set_version()`), for a
+    fixed set of stand-in workers and no reference server."""
+
+    def __init__(self, workers: list[dict]):
+        self.list, self.versions = list(workers), []
+
+    def workers(self) -> list[dict]:
+        return [dict(w) for w in self.list]
+
+    def set_version(self, v: int) -> None:
+        self.versions.append(v)
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     """xxh3-64 of a tensor's dtype, shape and bytes: equal digests, bit-exact equal tensors."""
     flat = t.detach().cpu().contiguous().reshape(-1)

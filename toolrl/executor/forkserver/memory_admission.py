@@ -135,15 +135,18 @@ class MemoryAdmission:
     def share(self) -> int:
         return self.total - self.reserve - self.excess
 
-    def fit(self, need: int = 0) -> bool:
+    def fit(self, need: int = 0, or_none: bool = False) -> bool:
         """Evict idle sessions, least recently used first, until what sessions hold plus `need` is
-        within their share; whether it now is."""
+        within their share; whether it now is. With `or_none`, evict nothing when evicting every idle
+        session would not be enough (a new session that is refused anyway costs no one's state)."""
         room = self.share() - need
         if self.sum <= room:
             return True
         waiting = self.waiting()
         idle = sorted((h.last_used, idx) for idx, h in self.held.items()
                       if idx not in waiting and _idle(self.sessions.get(idx)))
+        if or_none and self.sum - sum(self.held[idx].bytes for _, idx in idle) > room:
+            return False
         for _, idx in idle:
             if self.sum <= room:
                 break
@@ -158,7 +161,7 @@ class MemoryAdmission:
     def admit(self, idx: int) -> str | None:
         """A new session process at `idx`: None when it fits (it then counts NEW_SESSION_BYTES until
         measured), else why it is refused."""
-        if not self.fit(NEW_SESSION_BYTES):
+        if not self.fit(NEW_SESSION_BYTES, or_none=True):
             self.refused += 1
             why = "every session holding it is executing" if self.sum else "that is less than a session needs"
             return (f"no memory for a new session: sessions hold {_mb(self.sum)} MB of the "

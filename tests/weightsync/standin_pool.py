@@ -1,0 +1,69 @@
+"""Stand-in gen workers (toolrl.worker.standin: the real receiver, gate and relay, a recording
+engine) as real processes on 127.0.0.1, for the weight-sync tests."""
+import os
+import signal
+import time
+
+import httpx
+
+from procs import Proc, free_port
+
+
+class Pool:
+    """`n` receivers, restarted (or resumed) between tests when a test killed (or stopped) one."""
+
+    def __init__(self, log_dir, n: int, token: str):
+        self.log_dir, self.n, self.token = log_dir, n, token
+        self.ports = [free_port() for _ in range(n)]
+        self.procs: list[Proc | None] = [None] * n
+        self.stopped: set[int] = set()
+
+    def worker(self, i: int) -> dict:
+        return {"id": f"w{i}", "url": f"http://127.0.0.1:{self.ports[i]}", "policy_version": 0}
+
+    @property
+    def workers(self) -> list[dict]:
+        return [self.worker(i) for i in range(self.n)]
+
+    def start(self, indices) -> None:
+        for i in indices:
+            self.procs[i] = Proc(f"w{i}", ["-m", "toolrl.worker.standin", "--id", f"w{i}", "--port",
+                                           str(self.ports[i]), "--token", self.token, "--timeout-s", "30"],
+                                 self.log_dir)
+        for i in indices:
+            self.procs[i].wait_http(f"{self.worker(i)['url']}/health", timeout_s=180)
+
+    def kill(self, i: int) -> None:
+        os.kill(self.procs[i].p.pid, signal.SIGKILL)
+
+    def restart(self, i: int) -> None:
+        """The worker comes back empty: it holds no version."""
+        self.kill(i)
+        self.procs[i].p.wait(30)
+        self.procs[i].stop()
+        self.start([i])
+
+    def pause(self, i: int) -> None:
+        self.stopped.add(i)
+        os.kill(self.procs[i].p.pid, signal.SIGSTOP)
+
+    def heal(self) -> None:
+        for i in list(self.stopped):
+            os.kill(self.procs[i].p.pid, signal.SIGCONT)
+        self.stopped.clear()
+        dead = [i for i, p in enumerate(self.procs) if p is None or p.p.poll() is not None]
+        for i in dead:
+            self.procs[i].stop()
+        if dead:
+            self.start(dead)
+        for w in self.workers:  # idle again: no update half-way anywhere (a resumed relay ends by its timeout)
+            deadline = time.time() + 60
+            while httpx.get(f"{w['url']}/health", timeout=5).json()["update_phase"] is not None:
+                assert time.time() < deadline, f"{w['id']} is still in an update"
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.heal()
+        for p in self.procs:
+            if p is not None:
+                p.stop()
