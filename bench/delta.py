@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +42,7 @@ from toolrl.config import load_config  # noqa: E402
 from toolrl.net import free_port  # noqa: E402
 from toolrl.weightsync.outgoing import LastSent, Outgoing  # noqa: E402
 from toolrl.weightsync.pusher import WeightSync  # noqa: E402
-from toolrl.worker.standin import FixedRegistry, tensor_digest  # noqa: E402
+from toolrl.worker.standin import FixedRegistry, standin_service, tensor_digest  # noqa: E402
 
 TOKEN = "bench-delta"
 
@@ -83,36 +81,6 @@ def changed_fraction(a, b) -> float:
     n = sum(t.numel() for _, t in a)
     return sum(int((x.view(torch.int16) != y.view(torch.int16)).sum()) if x.element_size() == 2 else
                int((x != y).sum()) for (_, x), (_, y) in zip(a, b)) / n
-
-
-class Receiver:
-    def __init__(self, log_dir: Path):
-        self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "toolrl.worker.standin", "--id", "r0", "--port",
-                                      str(self.port), "--token", TOKEN, "--timeout-s", "120"], cwd=ROOT,
-                                     stdout=open(log_dir / "r0.log", "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.worker = {"id": "r0", "url": f"http://127.0.0.1:{self.port}", "policy_version": 0}
-        deadline = time.time() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the receiver exited with {self.proc.returncode} (log in {log_dir})")
-            try:
-                if httpx.get(f"{self.worker['url']}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError("the receiver was not up after 300 s")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def learner(worker: dict, cap: float, bucket_mb: int) -> WeightSync:
@@ -183,7 +151,7 @@ def main() -> None:
                                           for c in caps}
     changed = []
     with tempfile.TemporaryDirectory(prefix="bench-delta-") as logs:
-        rx = Receiver(Path(logs))
+        rx = standin_service("r0", free_port(), TOKEN, Path(logs) / "r0.log").start()
         try:
             current = steps.next()
             changed.append(changed_fraction(prev, current))

@@ -20,12 +20,9 @@ import argparse
 import json
 import math
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -38,7 +35,7 @@ from toolrl.config import load_config  # noqa: E402
 from toolrl.net import free_port  # noqa: E402
 from toolrl.weightsync.fanout import make_plans  # noqa: E402
 from toolrl.weightsync.pusher import WeightSync  # noqa: E402
-from toolrl.worker.standin import FixedRegistry, tensor_digest  # noqa: E402
+from toolrl.worker.standin import FixedRegistry, standin_service, tensor_digest  # noqa: E402
 
 TOKEN = "bench-fanout"
 
@@ -52,39 +49,21 @@ def weights(mb: int) -> list[tuple[str, torch.Tensor]]:
 
 
 class Receivers:
-    """Stand-in receivers as child processes, started together, stopped with SIGTERM."""
+    """Stand-in receivers as child processes (toolrl.worker.standin), stopped with SIGTERM."""
 
     def __init__(self, n: int, log_dir: Path):
-        self.ports = [free_port() for _ in range(n)]
-        self.procs = [subprocess.Popen([sys.executable, "-m", "toolrl.worker.standin", "--id", f"r{i}",
-                                        "--port", str(p), "--token", TOKEN, "--timeout-s", "120"], cwd=ROOT,
-                                       stdout=open(log_dir / f"r{i}.log", "w"), stderr=subprocess.STDOUT,
-                                       start_new_session=True) for i, p in enumerate(self.ports)]
-        self.workers = [{"id": f"r{i}", "url": f"http://127.0.0.1:{p}", "policy_version": 0}
-                        for i, p in enumerate(self.ports)]
-        deadline = time.time() + 300
-        for w, proc in zip(self.workers, self.procs):
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"receiver {w['id']} exited with {proc.returncode} (logs in {log_dir})")
-                try:
-                    if httpx.get(f"{w['url']}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.time() > deadline:
-                    raise TimeoutError(f"receiver {w['id']} not up after 300 s")
-                time.sleep(0.2)
+        self.services = []
+        try:
+            for i in range(n):
+                self.services.append(standin_service(f"r{i}", free_port(), TOKEN, log_dir / f"r{i}.log").start())
+        except BaseException:
+            self.stop()
+            raise
+        self.workers = [svc.worker for svc in self.services]
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        for svc in self.services:
+            svc.stop()
 
 
 def sync(workers, named, version: int, fanout: int, args) -> dict:

@@ -7,6 +7,7 @@ import time
 import httpx
 
 from procs import Proc, free_port
+from toolrl.worker.standin import tensor_digest
 
 
 class Pool:
@@ -67,3 +68,17 @@ class Pool:
         for p in self.procs:
             if p is not None:
                 p.stop()
+
+
+def loaded(w: dict) -> dict:
+    """What a stand-in worker holds: version, weights_ok, a digest per tensor, bytes received."""
+    return httpx.get(f"{w['url']}/loaded", timeout=10).json()
+
+
+def assert_exact(workers, named, version) -> None:
+    """Every one of `workers` loaded exactly `named` as `version`."""
+    want = {n: tensor_digest(t) for n, t in named}
+    for w in workers:
+        got = loaded(w)
+        assert got["version"] == version and got["weights_ok"], (w["id"], got["version"])
+        assert got["digests"] == want, f"{w['id']} loaded other weights"

@@ -10,14 +10,14 @@ import httpx
 import pytest
 import torch
 
-from standin_pool import Pool
+from standin_pool import Pool, assert_exact, loaded
 from toolrl.config import load_config
 from toolrl.net import auth_headers
 from toolrl.protocol import CONTENT_TYPE
 from toolrl.weightsync.fanout import make_plans
 from toolrl.weightsync.outgoing import LastSent, Outgoing
 from toolrl.weightsync.pusher import WeightSync
-from toolrl.worker.standin import FixedRegistry, tensor_digest
+from toolrl.worker.standin import FixedRegistry
 
 TOKEN = "delta-secret"
 N = 4  # fanout 2: w0 -> w1 (-> w3), w2
@@ -56,23 +56,11 @@ def _sync(workers, *sets) -> WeightSync:
     return WeightSync(cfg, FixedRegistry(workers))
 
 
-def _loaded(w: dict) -> dict:
-    return httpx.get(f"{w['url']}/loaded", timeout=10).json()
-
-
-def _assert_exact(workers, named, version) -> None:
-    want = {n: tensor_digest(t) for n, t in named}
-    for w in workers:
-        got = _loaded(w)
-        assert got["version"] == version and got["weights_ok"], (w["id"], got["version"])
-        assert got["digests"] == want, f"{w['id']} loaded other weights"
-
-
 def _push(s: WeightSync, named, workers) -> dict:
     version = next(VERSIONS)
     res = s.push(named, version)
     assert res["workers_ok"] == len(workers) and not res["failed"], res["failed"]
-    _assert_exact(workers, named, version)
+    assert_exact(workers, named, version)
     return res
 
 
@@ -94,9 +82,9 @@ def test_one_layer_changed_costs_a_small_fraction_of_the_full_weights(pool):
     w = pool.workers[:1]
     s = _sync(w, "learner.sync_bucket_mb=64")  # one bucket: the delta is of a whole bucket
     _push(s, _named(1, layers={2}), w)
-    before = _loaded(w[0])["received_bytes"]
+    before = loaded(w[0])["received_bytes"]
     res = _push(s, _named(2, layers={2}), w)  # one layer of eight moved, as far as a training step moves it
-    got = _loaded(w[0])["received_bytes"] - before
+    got = loaded(w[0])["received_bytes"] - before
     assert got == res["egress_bytes"] == res["delta_bytes"] < 0.1 * res["copy_bytes"]
 
 
@@ -119,7 +107,7 @@ def test_a_worker_that_does_not_hold_the_base_refuses_the_delta_and_gets_the_ful
     assert r.status_code == 409 and r.json()["need_full"] is True and r.json()["holds"] is None
     assert "send the full update" in r.json()["detail"]
     assert httpx.get(f"{pool.worker(1)['url']}/health").json()["update_phase"] is None
-    assert _loaded(pool.worker(1))["loads"] == 0
+    assert loaded(pool.worker(1))["loads"] == 0
 
 
 def test_a_corrupted_delta_is_refused_and_recovered_by_a_full_push(pool, monkeypatch, caplog):
@@ -144,20 +132,20 @@ def test_deltas_are_relayed_down_a_tree_as_received(pool):
     s = _sync(pool.workers, "learner.sync_fanout=2")
     assert make_plans(pool.workers, 2)[0].height == 2  # w0 -> w1 -> w3: a delta crosses two relays
     _push(s, _named(1, layers={6}), pool.workers)
-    before = {w["id"]: _loaded(w)["received_bytes"] for w in pool.workers}
+    before = {w["id"]: loaded(w)["received_bytes"] for w in pool.workers}
     res = _push(s, _named(2, layers={6}), pool.workers)
     assert 0 < res["delta_bytes"] <= res["egress_bytes"] < 0.2 * res["copy_bytes"]  # one delta left the learner
     for w in pool.workers:  # and each worker received it as sent, not the full buckets of its parent's slots
-        assert _loaded(w)["received_bytes"] - before[w["id"]] == res["egress_bytes"]
+        assert loaded(w)["received_bytes"] - before[w["id"]] == res["egress_bytes"]
 
 
 def test_a_worker_in_a_delta_tree_without_the_base_gets_the_full_weights_directly(pool, caplog):
     s = _sync(pool.workers, "learner.sync_fanout=2")
     _push(s, _named(1, layers={7}), pool.workers)
     pool.restart(1)  # inside the tree, with w3 below it
-    before = _loaded(pool.worker(3))["received_bytes"]
+    before = loaded(pool.worker(3))["received_bytes"]
     res = _push(s, _named(2, layers={7}), pool.workers)
     # w1 refused the delta; w0 relayed it to w3 instead, and the learner sent w1 the full weights
     assert "refused the delta or could not apply it" in caplog.text and "['w1']" in caplog.text
-    assert _loaded(pool.worker(3))["received_bytes"] - before < 0.2 * res["copy_bytes"]
+    assert loaded(pool.worker(3))["received_bytes"] - before < 0.2 * res["copy_bytes"]
     assert res["copy_bytes"] < res["egress_bytes"] < 1.3 * res["copy_bytes"]

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from standin_pool import Pool
+from standin_pool import Pool, assert_exact, loaded
 from toolrl.config import load_config
 from toolrl.net import auth_headers
 from toolrl.protocol import CONTENT_TYPE
@@ -23,7 +23,7 @@ from toolrl.weightsync.gate import WeightGate
 from toolrl.weightsync.pusher import WeightSync
 from toolrl.weightsync.receiver import WeightAssembler, bucket_file
 from toolrl.weightsync.relay import Relay
-from toolrl.worker.standin import FixedRegistry, tensor_digest
+from toolrl.worker.standin import FixedRegistry
 from toolrl.weightsync.vllm_ext import iter_bucket_files
 
 TOKEN = "fanout-secret"
@@ -61,18 +61,6 @@ def _sync(workers, *sets) -> WeightSync:
     return WeightSync(cfg, FixedRegistry(workers))
 
 
-def _loaded(w: dict) -> dict:
-    return httpx.get(f"{w['url']}/loaded", timeout=10).json()
-
-
-def _assert_exact(workers, named, version) -> None:
-    want = {n: tensor_digest(t) for n, t in named}
-    for w in workers:
-        got = _loaded(w)
-        assert got["version"] == version and got["weights_ok"], (w["id"], got["version"])
-        assert got["digests"] == want, f"{w['id']} loaded other weights"
-
-
 def _one_copy(pool, version) -> int:
     """What one direct push of the test weights at `version` sends (the learner's count of it)."""
     s = _sync([pool.worker(0)], "learner.sync_fanout=0")
@@ -105,7 +93,7 @@ def test_a_tree_gets_bit_exact_weights_to_every_worker_and_the_learner_sends_one
     res = s.push(named, version)
     assert res["workers_ok"] == N and not res["failed"]
     assert res["egress_bytes"] == copy  # each byte left the learner once; the workers relayed the rest
-    _assert_exact(pool.workers, named, version)
+    assert_exact(pool.workers, named, version)
     assert all(s.pushed[(w["id"], w["url"])] == version for w in pool.workers)
 
 
@@ -116,7 +104,7 @@ def test_fanout_zero_pushes_every_worker_directly_as_before(pool):
     named = _named(version)
     res = s.push(named, version)
     assert res["workers_ok"] == N and res["egress_bytes"] == N * copy
-    _assert_exact(pool.workers, named, version)
+    assert_exact(pool.workers, named, version)
 
 
 def test_a_worker_killed_mid_update_is_reported_failed_and_its_subtree_still_gets_the_weights(pool):
@@ -131,11 +119,11 @@ def test_a_worker_killed_mid_update_is_reported_failed_and_its_subtree_still_get
     assert sorted(res["failed"]) == ["w1"] and res["workers_ok"] == N - 1
     assert "w1: bucket" in res["failed"]["w1"]  # its parent's error: which bucket, and why
     assert res["egress_bytes"] < 1.1 * 8 * 2**20  # the learner sent no second copy
-    _assert_exact([w for w in pool.workers if w["id"] != "w1"], named, version)  # w3, w4 from w0 instead
+    assert_exact([w for w in pool.workers if w["id"] != "w1"], named, version)  # w3, w4 from w0 instead
     assert s.failures.keys() == {"w1"}
     pool.heal()  # w1 comes back, at version 0; the learner catches it up by a direct push
     assert s.catch_up(lambda: named, version) == 1 and not s.failures
-    _assert_exact(pool.workers, named, version)
+    assert_exact(pool.workers, named, version)
 
 
 def test_a_silent_worker_is_given_up_after_the_hop_timeout_and_routed_around(pool):
@@ -148,13 +136,13 @@ def test_a_silent_worker_is_given_up_after_the_hop_timeout_and_routed_around(poo
     pauser.join(30)
     assert 2 in pool.stopped, "w2 was not stopped mid-update"
     assert sorted(res["failed"]) == ["w2"] and time.time() - t0 < 25
-    _assert_exact([w for w in pool.workers if w["id"] != "w2"], named, version)  # w5, w6 from w0 instead
+    assert_exact([w for w in pool.workers if w["id"] != "w2"], named, version)  # w5, w6 from w0 instead
     pool.heal()  # w2 wakes up; its relay's late buckets are refused (another sender), and it is caught up
     assert s.catch_up(lambda: named, version) == 1
     version = next(VERSIONS)
     named = _named(version)
     assert s.push(named, version)["workers_ok"] == N
-    _assert_exact(pool.workers, named, version)
+    assert_exact(pool.workers, named, version)
 
 
 def test_a_root_killed_mid_update_is_planned_around_and_the_others_get_the_weights(pool):
@@ -167,7 +155,7 @@ def test_a_root_killed_mid_update_is_planned_around_and_the_others_get_the_weigh
     assert pool.procs[0].p.poll() is not None
     assert sorted(res["failed"]) == ["w0"] and res["workers_ok"] == N - 1
     assert res["egress_bytes"] > 8 * 2**20  # the root's share went out again, to the new root
-    _assert_exact(pool.workers[1:], named, version)
+    assert_exact(pool.workers[1:], named, version)
 
 
 def _post(w, body: bytes, plan: str | None) -> httpx.Response:
@@ -182,7 +170,7 @@ def _bodies(named, version):
 
 def test_a_bad_plan_is_refused_before_anything_is_received(pool):
     w = pool.worker(3)
-    before = _loaded(w)
+    before = loaded(w)
     version = next(VERSIONS)
     body = _bodies(_named(version), version)[0]
     good = json.loads(plan_for(PlanNode(id="w3", url=w["url"]), 10, None).header())
@@ -192,7 +180,7 @@ def test_a_bad_plan_is_refused_before_anything_is_received(pool):
         r = _post(w, body, plan)
         assert r.status_code == 400 and needle in r.json()["detail"], (needle, r.status_code, r.text)
     assert _post(w, body, "x" * 20000).status_code in (400, 431)  # a head over 16 KiB: uvicorn refuses it
-    after = _loaded(w)
+    after = loaded(w)
     assert after["version"] == before["version"] and after["loads"] == before["loads"]
     assert httpx.get(f"{w['url']}/health").json()["update_phase"] is None  # nothing was started
 
@@ -210,7 +198,7 @@ def test_a_relay_out_of_order_or_from_another_sender_is_refused_at_the_child(poo
     assert r.status_code == 409 and "another sender" in r.json()["detail"]
     for body in bodies[1:]:
         assert _post(w, body, plan).status_code == 200
-    _assert_exact([w], _named(version), version)
+    assert_exact([w], _named(version), version)
 
 
 def _received(tmp_path, named, version, tag="upstream"):
@@ -236,7 +224,7 @@ def test_a_corrupt_relay_is_refused_at_every_child(pool, tmp_path):
     raw[-100] ^= 0x01  # one bit of one weight, after this worker checked it
     slot.write_bytes(raw)
     kids = [PlanNode(id=f"w{i}", url=pool.worker(i)["url"]) for i in (5, 6)]
-    before = [_loaded(pool.worker(i)) for i in (5, 6)]
+    before = [loaded(pool.worker(i)) for i in (5, 6)]
 
     async def relay():
         r = Relay(update, FanoutPlan(tag="x" * 16, timeout_s=10, children=kids), TOKEN, "test")
@@ -246,7 +234,7 @@ def test_a_corrupt_relay_is_refused_at_every_child(pool, tmp_path):
     out = asyncio.run(relay())
     for i, b in zip((5, 6), before):
         assert "HTTP 400" in out[f"w{i}"]["error"] and "checksum" in out[f"w{i}"]["error"]
-        assert _loaded(pool.worker(i))["version"] == b["version"]  # the child kept its weights
+        assert loaded(pool.worker(i))["version"] == b["version"]  # the child kept its weights
     a.close()
 
 
@@ -282,5 +270,5 @@ def test_a_worker_whose_own_load_fails_still_reports_its_subtree(pool, tmp_path)
     answer = asyncio.run(run())
     assert not answer["loaded"] and "the engine died" in answer["error"]
     assert {k: v["loaded"] for k, v in answer["tree"].items()} == {"w5": True, "w6": True}
-    _assert_exact([pool.worker(5), pool.worker(6)], named, version)
+    assert_exact([pool.worker(5), pool.worker(6)], named, version)
     gate.assembler.close()

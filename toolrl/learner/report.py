@@ -187,22 +187,24 @@ def _kl_or_entropy(ax, rows, evals):
     return twin
 
 
-def _tools(ax, rows, evals):
-    ax.set_title("tool use")
-    _line(ax, rows, "tool_calls_per_sample", "tool calls / sample")
+def _with_rate(ax, rows, title: str, key: str, label: str, rate_key: str, rate_label: str):
+    """A panel of one figure, with a rate (0-1, dashed) on its own axis."""
+    ax.set_title(title)
+    _line(ax, rows, key, label)
     twin = ax.twinx()
-    _line(twin, rows, "tool_error_rate", "tool error rate", color="tab:red", linestyle="--")
+    _line(twin, rows, rate_key, rate_label, color="tab:red", linestyle="--")
     twin.set_ylim(-0.05, 1.05)
     return twin
+
+
+def _tools(ax, rows, evals):
+    return _with_rate(ax, rows, "tool use", "tool_calls_per_sample", "tool calls / sample",
+                      "tool_error_rate", "tool error rate")
 
 
 def _lengths(ax, rows, evals):
-    ax.set_title("response length, truncation")
-    _line(ax, rows, "response_len", "response tokens (policy-made)")
-    twin = ax.twinx()
-    _line(twin, rows, "stop/length_frac", "truncated", color="tab:red", linestyle="--")
-    twin.set_ylim(-0.05, 1.05)
-    return twin
+    return _with_rate(ax, rows, "response length, truncation", "response_len", "response tokens (policy-made)",
+                      "stop/length_frac", "truncated")
 
 
 def _stale(ax, rows, evals):

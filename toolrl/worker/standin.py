@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from toolrl.config import Config
-from toolrl.net import serve
+from toolrl.net import LocalService, serve
 from toolrl.weightsync.gate import WeightGate
 from toolrl.weightsync.receiver import WeightAssembler, remove_stale_weight_dirs
 from toolrl.weightsync.vllm_ext import iter_bucket_files
@@ -42,6 +42,17 @@ class FixedRegistry:
 
     def set_version(self, v: int) -> None:
         self.versions.append(v)
+
+
+def standin_service(worker_id: str, port: int, token: str, log_path: str | Path,
+                    timeout_s: float = 120.0) -> LocalService:
+    """A stand-in worker as a child process (`.start()` waits for its /health), and its registry entry
+    as `.worker`."""
+    svc = LocalService("toolrl.worker.standin", ["--id", worker_id, "--port", str(port), "--token", token,
+                                                 "--timeout-s", str(timeout_s)],
+                       f"http://127.0.0.1:{port}", log_path=log_path, startup_timeout_s=300)
+    svc.worker = {"id": worker_id, "url": svc.url, "policy_version": 0}
+    return svc
 
 
 def tensor_digest(t: torch.Tensor) -> str:
