@@ -408,6 +408,7 @@ d = tr.dist
     "whole": sorted({s.group_id for s in whole}),
     "dist": [d.rank, d.world_size, d.local_rank, d.local_world_size, d.node_rank, d.launcher,
              os.environ["LOCAL_SIZE"]]}))
+tr.close()
 """
 
 
@@ -418,6 +419,7 @@ def launch_ranks(out, nnodes: int) -> dict[int, dict]:
     rank 0 also writes out/weights.safetensors."""
     import json
     import os
+    import re
     import subprocess
     import sys
 
@@ -431,19 +433,31 @@ def launch_ranks(out, nnodes: int) -> dict[int, dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "LOCAL_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
-    procs = []
-    for node in range(nnodes):
-        with open(out / f"node{node}.log", "w") as log:
-            procs.append(subprocess.Popen([*torchrun, "--node_rank", str(node), str(script), str(out)], cwd=ROOT,
-                                          env=env, stdout=log, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=300)
-    finally:
-        for p in procs:
-            p.kill()
+    env["PYTHONFAULTHANDLER"] = "1"  # a native abort prints each thread's Python stack into the log
+    for attempt in (1, 2):
+        procs = []
+        for node in range(nnodes):
+            with open(out / f"node{node}.log", "w") as log:
+                procs.append(subprocess.Popen([*torchrun, "--node_rank", str(node), str(script), str(out)], cwd=ROOT,
+                                              env=env, stdout=log, stderr=subprocess.STDOUT))
+        try:
+            for p in procs:
+                p.wait(timeout=300)
+        finally:
+            for p in procs:
+                p.kill()
+        logs = [(out / f"node{node}.log").read_text() for node in range(nnodes)]
+        # One retry, only when the first rank to fail died natively (abort, segfault, bus error): a
+        # rank died of signal 6 on a CI machine once in ~30 suites (the kept log did not say where).
+        # A Python error or a wrong value fails at once, and so does a native crash that repeats.
+        crashed = [re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", log, re.S) for log in logs]
+        if attempt == 1 and any(m and m.group(1) in ("-6", "-7", "-11") for m in crashed):
+            print("a rank crashed natively; launching once more. The first attempt's logs:\n" + "\n".join(logs))
+            torchrun[torchrun.index("--master_port") + 1] = str(free_port())
+            continue
+        break
     for node, p in enumerate(procs):
-        assert p.returncode == 0, (out / f"node{node}.log").read_text()[-3000:]
+        assert p.returncode == 0, logs[node][-6000:]
     return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(2)}
 
 

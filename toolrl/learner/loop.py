@@ -200,5 +200,6 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
         print(json.dumps(summary), flush=True)
     monitor.close()
     ref.close()
+    trainer.close()
     logging.shutdown()
 

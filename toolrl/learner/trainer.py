@@ -114,6 +114,14 @@ class Trainer:
         dist.all_reduce(t, op={"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}[op])
         return float(t.item())
 
+    def close(self) -> None:
+        """At the end of a run of several ranks, tear the process group down before the interpreter
+        does: left to exit-time destructors, its threads can abort a rank whose work is done (signal 6,
+        which fails the whole launch). One rank keeps it: DeepSpeed caches its groups, and a process
+        of one rank (a test) may build another Trainer."""
+        if self.world_size > 1:
+            torch.distributed.destroy_process_group()
+
     def all_mean(self, x: float, weight: float) -> float:
         """The `weight`-weighted mean of x over the ranks, the same on every rank (e.g. a batch's
         accuracy, which drives the teacher weight's decay: every rank must train with the same weight)."""
