@@ -13,12 +13,12 @@ sampled. At the end:
   (1.10);
 - nothing lost: the reference server's `samples_in == samples_out + dropped_stale + dropped_failed +
   queued`, and the learner trained exactly `samples_out` samples;
-- nothing duplicated: in the learner's dump of every trained sample, no group has more policy
-  samples than `group_size` or more teacher traces than `traces_per_group` (a replayed upload would
-  double a group).
+- nothing duplicated: in the learner's dump of every trained sample, every sample id appears once
+  (`duplicated`), and no group has more policy samples than `group_size` or more teacher traces
+  than `traces_per_group` (`overfull_groups`: a group rolled out twice under fresh ids).
 
 Last line: JSON with `rss_growth_max`, `fd_growth_max`, per-process growth, `lost`, `duplicated`,
-`steps`, `workers_joined`.
+`overfull_groups`, `steps`, `workers_joined`.
 """
 from __future__ import annotations
 
@@ -170,16 +170,18 @@ def growth(samples: list[dict], budget: float) -> dict:
 
 
 def accounting(run_dir: Path, cfg, summary: dict) -> dict:
-    """Lost: samples the reference server took in that are in no account. Duplicated: groups with
-    more samples trained than one upload of them holds."""
+    """Lost: samples the reference server took in that are in no account. Duplicated: sample ids
+    trained more than once. Overfull: groups with more samples trained than one rollout of them holds."""
     dump = run_dir / "logs" / "samples.jsonl"
     rows = [json.loads(line) for line in dump.read_text().splitlines()] if dump.is_file() else []
     per = Counter((r["group_id"], r["source"]) for r in rows)
     cap = {"policy": cfg.rollout.group_size, "teacher": cfg.teacher.traces_per_group}
-    dup = sum(1 for (_, src), n in per.items() if n > cap.get(src, 1))
+    ids = Counter(r["sample_id"] for r in rows)
     q = summary.get("ref_server_accounting") or {}
     return {"trained_samples": len(rows), "learner_samples": summary.get("samples"),
-            "groups": len({g for g, _ in per}), "duplicated": dup,
+            "groups": len({g for g, _ in per}), "distinct_ids": len(ids),
+            "duplicated": sum(1 for n in ids.values() if n > 1),
+            "overfull_groups": sum(1 for (_, src), n in per.items() if n > cap.get(src, 1)),
             "samples_received": summary.get("policy_samples_received"),
             "dropped_stale": summary.get("dropped_stale"), "stale_drop_fraction": summary.get("stale_drop_fraction"),
             # in the reference server's books: every sample taken in is delivered, dropped (counted) or held

@@ -81,6 +81,19 @@ def test_samples_carry_masked_tool_output_and_advancing_versions(run):
     assert max(by_step[1]) == 0
 
 
+def test_every_sample_taken_in_is_trained_once_or_accounted_for(run):
+    """Exactly once: no sample id in the learner's dump twice, the dump is every sample the learner
+    counted, and the reference server's books balance (taken in = delivered + dropped + still held)
+    with everything it delivered trained."""
+    run_dir, _ = run
+    s = json.loads((run_dir / "summary.json").read_text())
+    ids = [json.loads(line)["sample_id"] for line in (run_dir / "logs" / "samples.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == s["samples"]
+    q = s["ref_server_accounting"]
+    assert q["samples_in"] == q["samples_out"] + q["dropped_stale"] + q["dropped_failed"] + q["samples"]
+    assert q["samples_out"] == len(ids)
+
+
 def test_checkpoints_and_export(run):
     run_dir, _ = run
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step000003"

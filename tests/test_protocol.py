@@ -187,6 +187,21 @@ def test_bad_meta_rows_rejected():
         decode_samples(pack("toolrl.samples", {"samples": rows}, tensors))
 
 
+def test_every_rollout_has_its_own_id_and_keeps_it_on_the_wire():
+    """The id an audit counts deliveries by: fresh and distinct for each sample made, the same after a
+    round trip, and only letters, digits and _.:- (at most 64) from a sender."""
+    a, b = _example()
+    assert a.sample_id != b.sample_id and len(a.sample_id) == 32
+    back, _ = decode_samples(encode_samples([a, b]))
+    assert [s.sample_id for s in back] == [a.sample_id, b.sample_id]
+    from safetensors.torch import load
+    tensors = load(VALID)
+    for bad in ("", "x" * 65, "a/b", "a b"):
+        rows = [{"group_id": "a", "sample_id": bad}, {"group_id": "b"}]
+        with pytest.raises(CorruptPayload, match="sample_id"):
+            decode_samples(pack("toolrl.samples", {"samples": rows}, tensors))
+
+
 def test_sample_invariants():
     with pytest.raises(ValueError, match="null for tool output"):
         Sample(prompt_ids=[1], completion_ids=[2], loss_mask=[0], logprobs=[-1.0], group_id="g")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import uuid
 from typing import Any, Literal
 
 import torch
@@ -86,6 +87,10 @@ class Sample(BaseModel):
     reward: float = 0.0  # the weighted total the advantage was computed from
     advantage: float = 0.0
     group_id: str
+    # Unique per rollout, kept end to end (upload, queue, batch, the learner's dump): how a soak or
+    # an audit checks that every sample was trained at most once.
+    sample_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=64,
+                           pattern=r"^[A-Za-z0-9_.:-]+$")
     policy_version: int = Field(0, ge=0)
     version_runs: list[tuple[int, int]] = Field(default_factory=list)
     source: Literal["policy", "teacher"] = "policy"
@@ -152,9 +157,9 @@ def sample_record(s: Sample, **extra: Any) -> dict:
     """A sample as one JSONL line (gen_worker --rollout-only, the learner's sample dump)."""
     return {"prompt_ids": s.prompt_ids, "completion_ids": s.completion_ids, "loss_mask": s.loss_mask,
             "logprobs": s.logprobs, "rewards": s.rewards, "reward": s.reward, "advantage": s.advantage,
-            "group_id": s.group_id, "tool_calls": [t.model_dump() for t in s.tool_calls], "text": s.text,
-            "policy_version": s.policy_version, "version_runs": s.version_runs, "stop_reason": s.stop_reason,
-            "source": s.source, **extra}
+            "group_id": s.group_id, "sample_id": s.sample_id, "text": s.text,
+            "tool_calls": [t.model_dump() for t in s.tool_calls], "policy_version": s.policy_version,
+            "version_runs": s.version_runs, "stop_reason": s.stop_reason, "source": s.source, **extra}
 
 
 _TOKEN_FIELDS = ("prompt_ids", "completion_ids", "loss_mask", "logprobs", "ref_logprobs")

@@ -191,6 +191,7 @@ BAD_SAMPLES = [
     ("tool_calls", _bad(tool_calls=[ToolCall(code="", status="s" * 33, output="")])),
     ("tool_calls", _bad(tool_calls=[ToolCall(code="c" * ((1 << 20) + 1), status="ok", output="")])),
     ("text", _bad(text="x" * ((4 << 20) + 1))),
+    ("sample_id", _bad(sample_id="first")),  # the upload's sample 0 is "first": one rollout sent twice
 ]
 
 
@@ -201,7 +202,7 @@ def test_samples_that_would_derail_the_learner_are_refused_without_a_reference_m
         async with AsyncRefServerClient(url, retries=0, max_wait_s=5) as c:
             for field, bad in BAD_SAMPLES:
                 with pytest.raises(RefServerError) as e:
-                    await c.upload([mk(0), bad])
+                    await c.upload([mk(0).model_copy(update={"sample_id": "first"}), bad])
                 assert e.value.status == 400 and f"sample 1: {field}" in e.value.detail, (field, e.value.detail)
             ok = mk(0).model_copy(update={"ref_logprobs": [-1.0] * 4})
             for ref in ([math.nan] * 4, [-1.0, -1.0, math.inf, -1.0], [1.0] * 4):

@@ -96,8 +96,11 @@ def check_sample(i: int, s: Sample, vocab_size: int, max_len: int) -> None:
 
 
 def check_samples(samples: Sequence[Sample], vocab_size: int, max_len: int) -> None:
+    seen: dict[str, int] = {}
     for i, s in enumerate(samples):
         check_sample(i, s, vocab_size, max_len)
+        if (first := seen.setdefault(s.sample_id, i)) != i:  # one rollout sent twice in one upload
+            raise Refused(i, "sample_id", f"{s.sample_id!r} is also sample {first}'s")
 
 
 def check_versions(samples: Sequence[Sample], learner_version: int, known: bool) -> None:

@@ -40,7 +40,7 @@ def sample_nbytes(s: Sample) -> int:
     queue entry."""
     p, c = len(s.prompt_ids), len(s.completion_ids)
     n = SAMPLE_BASE_BYTES + 40 * p + 120 * c
-    n += _str_bytes(s.group_id) + _str_bytes(s.text) + _str_bytes(s.stop_reason)
+    n += _str_bytes(s.group_id) + _str_bytes(s.sample_id) + _str_bytes(s.text) + _str_bytes(s.stop_reason)
     n += sum(_str_bytes(k) + REWARD_ENTRY_BYTES for k in s.rewards)
     n += sum(TOOL_CALL_BYTES + _str_bytes(t.code) + _str_bytes(t.status) + _str_bytes(t.output) for t in s.tool_calls)
     return n
