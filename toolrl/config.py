@@ -148,6 +148,12 @@ class RefServerConfig(Section):
     order: Literal["fifo", "newest"] = "fifo"
     batch_wait_s: float = Field(10.0, gt=0, le=300)
     worker_ttl_s: float = Field(30.0, gt=0)
+    # Reference replicas (`ref_server.py --replica-of URL`, toolrl.refserver.replicas) lease windows
+    # of pending samples and post their reference logprobs back; a lease not answered within
+    # replica_lease_s goes back to pending. local_reference=false: this server loads no model and
+    # leaves every window to its replicas (a front for many reference GPUs).
+    local_reference: bool = True
+    replica_lease_s: float = Field(300.0, gt=0)
 
 
 class RolloutConfig(Section):

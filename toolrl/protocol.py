@@ -23,6 +23,7 @@ from safetensors.torch import load as st_load
 
 WIRE_VERSION = 2  # 2: an xxh3-64 checksum over the data region as laid out, checkable while streaming
 SCHEMA_SAMPLES = "toolrl.samples"
+SCHEMA_REF_LOGPROBS = "toolrl.ref_logprobs"
 CONTENT_TYPE = "application/vnd.toolrl.safetensors"
 
 MAX_SAMPLES_BYTES = 64 << 20
@@ -370,3 +371,30 @@ def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES) -> tuple[lis
             first = exc.errors()[0]
             raise CorruptPayload(f"sample {i}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
     return samples, meta
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference logprobs of a leased window (a reference replica's answer)
+
+def encode_ref_logprobs(rows: list[list[float] | None], **extra: Any) -> bytes:
+    """Each sample's reference logprobs (one per completion token), in the window's order; None for
+    a sample the replica could not compute."""
+    failed = [i for i, r in enumerate(rows) if r is None]
+    flat, offsets = _flat([r or [] for r in rows], torch.float32)
+    return pack(SCHEMA_REF_LOGPROBS, {"failed": failed, **extra}, {"logprobs": flat, "offsets": offsets})
+
+
+def decode_ref_logprobs(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES) -> tuple[list[list[float] | None], dict]:
+    """Payload -> (rows, extra meta). Raises a WireFormatError subclass on any defect."""
+    meta, t = unpack(data, SCHEMA_REF_LOGPROBS, max_bytes)
+    if set(t) != {"logprobs", "offsets"}:
+        raise CorruptPayload(f"expected tensors logprobs and offsets, got {sorted(t)}")
+    if t["logprobs"].dtype != torch.float32 or t["offsets"].dtype != torch.int64:
+        raise CorruptPayload("logprobs must be float32 and offsets int64")
+    rows: list[list[float] | None] = list(_split(t["logprobs"], t["offsets"], "logprobs"))
+    failed = meta.pop("failed", None)
+    if not isinstance(failed, list) or not all(isinstance(i, int) and 0 <= i < len(rows) for i in failed):
+        raise CorruptPayload(f"meta.failed must list sample indices below {len(rows)}")
+    for i in failed:
+        rows[i] = None
+    return rows, meta

@@ -109,6 +109,23 @@ def test_failed_samples_are_released_and_counted():
     assert q.take_ready(5, 100)[0].sample.ref_logprobs == [-0.5] * 4
 
 
+@pytest.mark.parametrize("order", ["fifo", "newest"])
+def test_a_window_put_back_is_taken_next_in_its_order(order):
+    """A replica's lease that runs out puts its window back (requeue): its groups are taken next, in
+    the order they would have been taken, ahead of what was uploaded meanwhile."""
+    q = SampleQueue(max_samples=100, max_bytes=10**9, order=order)
+    for g in range(4):
+        q.put([mk(10 * g), mk(10 * g + 1)])
+    out = q.take_pending(24)  # two groups of 2 samples x 6 tokens
+    assert tags(out) == (["g0", "g1", "g10", "g11"] if order == "fifo" else ["g30", "g31", "g20", "g21"])
+    q.put([mk(40), mk(41)])
+    q.requeue(out[::-1])  # in any order
+    assert q.pending == 10 and q.stats()["computing"] == 0
+    assert tags(q.take_pending(24)) == tags(out)
+    drain(q)
+    assert q.samples == 10 and q.counters.dropped_failed == 0
+
+
 def test_async_put_waits_its_turn_then_times_out():
     async def main():
         q = AsyncSampleQueue(SampleQueue(2, 10**9), max_upload_waiters=2)

@@ -24,6 +24,7 @@ from toolrl.refserver.checks import AheadOfLearner, Refused, check_versions
 from toolrl.refserver.flow import Grants
 from toolrl.refserver.queue import AsyncSampleQueue, GroupTooLarge, QueueFull, SampleQueue
 from toolrl.refserver.reference import Reference
+from toolrl.refserver.replicas import Leases, router as replica_router
 from toolrl.refserver.registry import MAX_STATE_BYTES, RegistryError, WorkerRegistry
 
 MAX_UPLOAD_WAIT_S = 60.0  # a client may ask /upload to wait this long for space
@@ -113,6 +114,7 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
             queue.notify()  # its groups will never come: others may start theirs
 
     registry = WorkerRegistry(rs.worker_ttl_s, on_expire=expired)
+    leases = Leases(queue, reference, rs.replica_lease_s, log)
     uploads, batches = Replay(10_000, 600.0), Replay(8, 600.0)
     http = {"uploads_rejected": 0, "uploads_too_large": 0, "uploads_timed_out": 0, "uploads_busy": 0,
             "uploads_ahead_of_learner": 0}
@@ -132,7 +134,7 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
                 "ref_tokens_per_s": ref["tokens_per_s_last_60s"], "workers_live": len(registry)}
         if grants is not None:
             flat["flow_in_flight"] = grants.in_flight
-        return {**flat, "queue": q, "reference": ref, "workers": registry.stats(),
+        return {**flat, "queue": q, "reference": {**ref, **leases.stats()}, "workers": registry.stats(),
                 "flow": grants.stats() if grants is not None else None,
                 "http": {**http, "rejected_by_field": dict(rejected_by_field), "body_bytes_held": bodies.held},
                 "uptime_s": round(time.monotonic() - started, 3)}
@@ -149,12 +151,14 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         tasks[:] = [asyncio.create_task(reference.run(queue), name="reference"),
-                    asyncio.create_task(sweep(), name="registry-sweep")]
+                    asyncio.create_task(sweep(), name="registry-sweep"),
+                    asyncio.create_task(leases.sweep(), name="lease-sweep")]
         for t in tasks:
             t.add_done_callback(watch)
         log.info("reference server ready: reference=%s, queue %d samples / %d bytes, order=%s",
-                 cfg.model.name if reference.enabled else "disabled (beta=0)", rs.max_queue_samples,
-                 rs.max_queue_bytes, rs.order)
+                 "disabled (beta=0)" if not reference.enabled else
+                 cfg.model.name if reference.local else "replicas only (local_reference=false)",
+                 rs.max_queue_samples, rs.max_queue_bytes, rs.order)
         try:
             yield
         finally:
@@ -169,7 +173,9 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     # JSON routes: the largest legitimate body is a resume set of every worker's state. /upload
     # streams and caps its own (max_upload_bytes, under a deadline).
     cap_request_bodies(app, registry.max_workers * MAX_STATE_BYTES + (1 << 20), exempt=("/upload",))
+    # (a replica's answer, POST /reference/lease/ID, is also capped by its lease's size: replicas.router)
     auth = [Depends(bearer_auth(rs.token))]
+    app.include_router(replica_router(leases, cfg), dependencies=auth)
     registry_metrics = metrics.metrics_registry(stats)
 
     def reject(status: int, reason: str, field: str | None = None, headers: dict | None = None) -> HTTPException:

@@ -53,7 +53,7 @@ def _check_str(i: int, field: str, value: str, limit: int) -> None:
         raise Refused(i, field, f"{len(value)} characters, over the limit of {limit}")
 
 
-def _check_logprobs(i: int, field: str, values: Sequence[float | None]) -> None:
+def check_logprobs(i: int, field: str, values: Sequence[float | None]) -> None:
     vals = [x for x in values if x is not None]
     if not vals:
         return
@@ -84,9 +84,9 @@ def check_sample(i: int, s: Sample, vocab_size: int, max_len: int) -> None:
         _check_str(i, "tool_calls", t.status, MAX_TOOL_STATUS_CHARS)
         _check_str(i, "tool_calls", t.code, MAX_TOOL_TEXT_CHARS)
         _check_str(i, "tool_calls", t.output, MAX_TOOL_TEXT_CHARS)
-    _check_logprobs(i, "logprobs", s.logprobs)
+    check_logprobs(i, "logprobs", s.logprobs)
     if s.ref_logprobs is not None:
-        _check_logprobs(i, "ref_logprobs", s.ref_logprobs)
+        check_logprobs(i, "ref_logprobs", s.ref_logprobs)
     if s.num_tokens > max_len:
         raise Refused(i, "length", f"{s.num_tokens} tokens, over the model's {max_len} positions")
     lo = min(min(s.prompt_ids), min(s.completion_ids, default=0))

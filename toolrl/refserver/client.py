@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from toolrl.net import RetryPolicy, auth_headers, retry_after_s
-from toolrl.protocol import CONTENT_TYPE, Sample, decode_samples, encode_samples
+from toolrl.protocol import CONTENT_TYPE, Sample, decode_samples, encode_ref_logprobs, encode_samples
 
 log = logging.getLogger("toolrl.refserver.client")
 _RETRY_STATUS = (408, 502, 503, 504)  # 408: the body did not arrive in time (a slow link): send it again
@@ -230,8 +230,9 @@ class AsyncRefServerClient:
 
 
 class RefServerClient:
-    """For the learner (synchronous). Every call is bounded by `timeout_s` (plus the batch wait)
-    and `retries` retries of transient failures, then raises RefServerUnavailable."""
+    """For the learner and reference replicas (synchronous). Every call is bounded by `timeout_s`
+    (plus the batch or lease wait) and `retries` retries of transient failures, then raises
+    RefServerUnavailable."""
 
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0, retries: int = 4):
         self.url, self.timeout_s, self.retries = url.rstrip("/"), timeout_s, retries
@@ -282,6 +283,23 @@ class RefServerClient:
         """Hand the workers' producer states from a checkpoint back (worker id -> state); each worker
         takes its own once, in its next register or heartbeat answer. Returns {ok, pending}."""
         return self._request("POST", "/workers/resume", json={"states": states}).json()
+
+    def lease_window(self, replica_id: str, max_tokens: int, wait_s: float = 5.0) -> tuple[str, list[Sample]] | None:
+        """A reference replica's next window: (lease id, its samples, tokens only), or None if nothing
+        was pending within `wait_s` (toolrl.refserver.replicas)."""
+        r = self._request("POST", "/reference/lease", ok=(200, 204), timeout=self.timeout_s + wait_s,
+                          json={"replica_id": replica_id, "max_tokens": max_tokens, "wait_s": wait_s})
+        if r.status_code == 204:
+            return None
+        samples, extra = decode_samples(r.content, max_bytes=max(len(r.content), 1))
+        return extra["lease"]["id"], samples
+
+    def answer_lease(self, lease_id: str, rows: list[list[float] | None], compute_s: float) -> dict[str, Any]:
+        """Post a lease's reference logprobs (None: that sample failed). RefServerError 409 when the
+        lease ran out first (its window went to another taker)."""
+        body = encode_ref_logprobs(rows, compute_s=round(compute_s, 6))
+        return self._request("POST", f"/reference/lease/{lease_id}", content=body,
+                             headers={"Content-Type": CONTENT_TYPE}).json()
 
     def stats(self) -> dict[str, Any]:
         return self._request("GET", "/stats").json()

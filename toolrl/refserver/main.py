@@ -1,9 +1,12 @@
 """ref_server.py: reference logprobs, the bounded batch queue and the worker registry.
 
     python ref_server.py [--config F] [--set k=v] [--host H] [--port P]
+    python ref_server.py --replica-of URL [--replica-id ID] [--config F] [--set k=v]
 
 Gen workers upload scored groups; the learner pulls batches carrying reference logprobs. With
-grpo.beta = 0 no reference model is loaded and samples pass straight through. See docs/REF_SERVER.md.
+grpo.beta = 0 no reference model is loaded and samples pass straight through. With --replica-of, a
+reference replica: no server, it computes reference logprobs for the server at URL (more GPUs for
+the reference forward; toolrl/refserver/replicas.py). See docs/REF_SERVER.md.
 """
 from __future__ import annotations
 
@@ -18,8 +21,16 @@ def main(argv: list[str] | None = None) -> None:
     add_config_args(parser)
     add_bind_args(parser, "ref_server")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--replica-of", metavar="URL", help="run as a reference replica of the server at URL")
+    parser.add_argument("--replica-id", help="this replica's name in the server's stats (default: random)")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
+    if args.replica_of:
+        log = setup_logging("ref_replica", args.log_level)
+        from toolrl.refserver.replicas import run_replica
+
+        run_replica(cfg, args.replica_of, args.replica_id, log=log)
+        return
     log = setup_logging("ref_server", args.log_level)
 
     from toolrl.refserver.app import create_app  # after parsing: --help stays fast (torch, transformers)

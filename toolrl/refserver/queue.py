@@ -69,6 +69,7 @@ class Entry:
     tokens: int
     enqueued_at: float
     compute_s: float = 0.0  # reference time of the window this sample was computed in
+    leases: int = 0  # times a reference replica leased it (toolrl.refserver.replicas)
 
 
 @dataclass
@@ -186,6 +187,20 @@ class SampleQueue:
             e.compute_s = compute_s
             # newest: later uploads first, a group's own samples still in their order
             heapq.heappush(self._ready, ((e.seq,) if self.order == "fifo" else (-e.group, e.seq), e))
+
+    def requeue(self, entries: list[Entry]) -> None:
+        """A leased window back uncomputed (its replica died, or answered wrongly): its groups go back
+        to the head of pending, in their order, to be taken next."""
+        groups: dict[int, list[Entry]] = {}
+        for e in sorted(entries, key=lambda e: e.seq):
+            del self._computing[e.seq]
+            groups.setdefault(e.group, []).append(e)
+        ordered = [groups[g] for g in sorted(groups)]
+        if self.order == "fifo":  # taken from the left, oldest first
+            self._pending.extendleft(reversed(ordered))
+        else:  # "newest": taken from the right
+            self._pending.extend(ordered)
+        self._npending += len(entries)
 
     def fail(self, entries: list[Entry]) -> None:
         """Samples the reference could not compute: removed and counted (the caller logs them)."""
@@ -353,6 +368,10 @@ class AsyncSampleQueue:
 
     def fail(self, entries: list[Entry]) -> None:
         self.core.fail(entries)
+        self.notify()
+
+    def requeue(self, entries: list[Entry]) -> None:
+        self.core.requeue(entries)
         self.notify()
 
     async def take_batch(self, max_samples: int, max_tokens: int, min_samples: int = 1,

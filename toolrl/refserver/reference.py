@@ -8,7 +8,9 @@ the head applied only at completion positions). A window is completed all at onc
 order holds. Compute runs in one dedicated thread; the event loop stays free to serve requests.
 
 With `grpo.beta == 0` no model is loaded and samples pass straight through without ref_logprobs
-(still checked against the model's config: `validate`).
+(still checked against the model's config: `validate`). With `ref_server.local_reference` false no
+model is loaded either, and reference replicas compute every window (toolrl.refserver.replicas);
+they run this same `compute_all`.
 A batch that raises is retried sample by sample; a sample that fails alone is dropped, counted
 and logged with its group id (never silently).
 """
@@ -133,12 +135,13 @@ class Reference:
     def __init__(self, cfg: Config, model=None, log: logging.Logger | None = None):
         rs = cfg.ref_server
         self.log = log or logging.getLogger("ref_server")
-        self.enabled = cfg.grpo.beta > 0
+        self.enabled = cfg.grpo.beta > 0  # samples need reference logprobs
+        self.local = self.enabled and (rs.local_reference or model is not None)  # ... computed here
         self.token_budget, self.chunk_rows = rs.token_budget, rs.logprob_chunk
         self.temperature = cfg.rollout.temperature
         self.model = None
         self.model_name = cfg.model.name
-        if self.enabled:
+        if self.local:
             self.model = model if model is not None else load_reference_model(cfg)
             self.model.eval()
             self.device = next(self.model.parameters()).device
@@ -149,7 +152,7 @@ class Reference:
         text_cfg = mcfg.get_text_config() if hasattr(mcfg, "get_text_config") else mcfg
         self.vocab_size = int(text_cfg.vocab_size)
         self.max_len = int(getattr(text_cfg, "max_position_embeddings", 0) or cfg.model.max_model_len)
-        self._compute = ComputeThread() if self.enabled else None
+        self._compute = ComputeThread() if self.local else None
         # Stats
         self.tokens_total = self.samples_total = self.batches_total = self.padded_total = 0
         self.compute_s_total = 0.0
@@ -173,11 +176,13 @@ class Reference:
         self.padded_total += packed.padded_tokens
         return [lp[i, :c].tolist() for i, c in enumerate(packed.completion_lens)]
 
-    def _compute_window(self, window: list[Entry]) -> list[list[float] | None]:
+    def compute_all(self, window: Sequence[Sample]) -> list[list[float] | None]:
+        """A window's reference logprobs in length-sorted forward batches; None for a sample that failed
+        even alone."""
         out: list[list[float] | None] = [None] * len(window)
-        for batch in plan_batches([e.tokens for e in window], self.token_budget):
+        for batch in plan_batches([s.num_tokens for s in window], self.token_budget):
             try:
-                for i, lp in zip(batch, self.compute([window[i].sample for i in batch])):
+                for i, lp in zip(batch, self.compute([window[i] for i in batch])):
                     out[i] = lp
                 self.batches_total += 1
             except Exception as exc:  # noqa: BLE001 - any failure: retry alone, never lose the window
@@ -185,17 +190,36 @@ class Reference:
                                  len(batch), type(exc).__name__, exc)
                 for i in batch:
                     try:
-                        out[i] = self.compute([window[i].sample])[0]
+                        out[i] = self.compute([window[i]])[0]
                         self.batches_total += 1
                     except Exception as exc1:  # noqa: BLE001 - counted and logged below
                         self.log.error("reference failed for a sample of group %r (%d tokens): %s: %s",
-                                       window[i].sample.group_id, window[i].tokens, type(exc1).__name__, exc1)
+                                       window[i].group_id, window[i].num_tokens, type(exc1).__name__, exc1)
         return out
+
+    def settle(self, queue: AsyncSampleQueue, window: list[Entry], results: list[list[float] | None],
+               compute_s: float) -> tuple[int, int]:
+        """Hand a computed window (here or by a replica) to the queue and count it -> (done, failed).
+        Failed ones first, then the rest: the window still completes as one unit."""
+        ok = [(e, r) for e, r in zip(window, results) if r is not None]
+        failed = [e for e, r in zip(window, results) if r is None]
+        tokens = sum(e.tokens for e, _ in ok)
+        self.tokens_total += tokens
+        self.samples_total += len(ok)
+        self.compute_s_total += compute_s
+        self._recent.append((time.monotonic(), tokens))
+        if failed:
+            self.failed_total += len(failed)
+            queue.fail(failed)
+        queue.complete([e for e, _ in ok], [r for _, r in ok], compute_s)
+        return len(ok), len(failed)
 
     # -- the loop ----------------------------------------------------------------------------
     async def run(self, queue: AsyncSampleQueue) -> None:
         self.alive = True
         try:
+            if self.enabled and not self.local:
+                await asyncio.Event().wait()  # replicas take every window; nothing to do here
             while True:
                 # The timeout only bounds the wait; an idle loop wakes once a second and sleeps again.
                 window = await queue.take_window(WINDOW_BUDGETS * self.token_budget, timeout_s=1.0)
@@ -205,20 +229,8 @@ class Reference:
                     queue.complete(window, None)
                     continue
                 t0 = time.perf_counter()
-                results = await self._compute.run(self._compute_window, window)
-                dt = time.perf_counter() - t0
-                ok = [(e, r) for e, r in zip(window, results) if r is not None]
-                failed = [e for e, r in zip(window, results) if r is None]
-                tokens = sum(e.tokens for e, _ in ok)
-                self.tokens_total += tokens
-                self.samples_total += len(ok)
-                self.compute_s_total += dt
-                self._recent.append((time.monotonic(), tokens))
-                # Failed ones first, then the rest: the window still completes as one unit.
-                if failed:
-                    self.failed_total += len(failed)
-                    queue.fail(failed)
-                queue.complete([e for e, _ in ok], [r for _, r in ok], dt)
+                results = await self._compute.run(self.compute_all, [e.sample for e in window])
+                self.settle(queue, window, results, time.perf_counter() - t0)
         finally:
             self.alive = False
 
@@ -229,7 +241,7 @@ class Reference:
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
         recent = sum(t for end, t in self._recent if now - end <= 60.0)
-        return {"enabled": self.enabled, "model": self.model_name if self.enabled else None,
+        return {"enabled": self.enabled, "local": self.local, "model": self.model_name if self.enabled else None,
                 "temperature": self.temperature, "token_budget": self.token_budget,
                 "tokens_total": self.tokens_total, "samples_total": self.samples_total,
                 "batches_total": self.batches_total, "compute_s_total": round(self.compute_s_total, 4),
