@@ -91,7 +91,14 @@ SETTINGS = {  # name -> (--set overrides for the server)
     "beta0": ["grpo.beta=0.0", "model.name=tiny-random"],
     "tiny-random": ["grpo.beta=0.04", "model.name=tiny-random", "model.dtype=float32"],
     "smollm2-135m-instruct": ["grpo.beta=0.04", "model.name=smollm2-135m-instruct", "model.dtype=bfloat16"],
+    # reference replicas (toolrl/refserver/replicas.py): a front that computes nothing itself and K
+    # `ref_server.py --replica-of` processes of 1 torch thread each, on this machine
+    "tiny-random+1replica": ["grpo.beta=0.04", "model.name=tiny-random", "model.dtype=float32",
+                             "ref_server.local_reference=false"],
+    "tiny-random+2replicas": ["grpo.beta=0.04", "model.name=tiny-random", "model.dtype=float32",
+                              "ref_server.local_reference=false"],
 }
+REPLICAS = {"tiny-random+1replica": 1, "tiny-random+2replicas": 2}
 # Group shapes. realistic: 8 samples sharing a ~300-token prompt, completions of ~500 tokens (300-700)
 # with one 40-token tool output (mask 0), ~3 characters of text per completion token, one tool call,
 # three rewards. demo: what configs/cpu_demo.yaml's samples look like (runs' samples.jsonl): groups of
@@ -188,6 +195,10 @@ class Server:
             cmd += ["--set", s]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.replicas = [subprocess.Popen(
+            [sys.executable, str(ROOT / "ref_server.py"), "--replica-of", self.url, "--replica-id", f"r{k}",
+             "--log-level", "WARNING", *[x for s in sets for x in ("--set", s)]],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env) for k in range(REPLICAS.get(setting, 0))]
         self.closed = False
 
     def wait_ready(self) -> None:
@@ -205,6 +216,14 @@ class Server:
                 pass
             time.sleep(0.2)
         self.client = RefServerClient(self.url, timeout_s=60)
+        while len(self.client.stats()["reference"].get("replicas", {})) < len(self.replicas):  # all asking
+            if time.time() > deadline or any(p.poll() is not None for p in self.replicas):
+                self.close()
+                raise RuntimeError("the replicas did not start")
+            time.sleep(0.2)
+
+    def replicas_cpu(self) -> float:
+        return sum(proc_cpu(p.pid) for p in self.replicas)
 
     def thread_cpu(self) -> tuple[float, float]:
         """(event-loop thread, all other threads) CPU seconds so far. uvicorn runs the loop in the
@@ -228,6 +247,9 @@ class Server:
         self.closed = True
         if hasattr(self, "client"):
             self.client.close()
+        for p in self.replicas:
+            p.kill()
+            p.wait(10)
         self.proc.terminate()
         try:
             self.proc.wait(20)
@@ -337,10 +359,10 @@ def run_phase(server: Server, uploader, stop, uploader_pid: int, clients: int, a
 
     def snap():
         return (time.monotonic(), server.client.stats(), server.thread_cpu(), machine_busy(),
-                consumer_cpu(consumer), proc_cpu(uploader_pid), os.getloadavg()[0])
-    w0, s0, c0, m0, k0, u0, load0 = snap()
+                consumer_cpu(consumer), proc_cpu(uploader_pid), os.getloadavg()[0], server.replicas_cpu())
+    w0, s0, c0, m0, k0, u0, load0, p0 = snap()
     time.sleep(args.ref_measure_s if beta else args.measure_s)
-    w1, s1, c1, m1, k1, u1, _ = snap()
+    w1, s1, c1, m1, k1, u1, _, p1 = snap()
     stop.set()
     server.client.set_version(version + EPOCH)  # what is queued or waiting now goes stale: a quick drain
     up = uploader.recv()
@@ -374,7 +396,7 @@ def run_phase(server: Server, uploader, stop, uploader_pid: int, clients: int, a
             "ref_tokens_per_compute_s": round(ref_tok / ref_s, 1) if ref_s > 0 else None,
             "uploads_waited_full": q1["waited_full"] - q0["waited_full"],
             "upload_503s_seen": up["upload_waits"], "queue_depth_start_end": [q0["samples"], q1["samples"]],
-            "settled": settled, "clients_cpu": round((u1 - u0) / span, 3),
+            "settled": settled, "clients_cpu": round((u1 - u0) / span, 3), "replicas_cpu": round((p1 - p0) / span, 3),
             "consumer_cpu": round((k1 - k0) / span, 3),
             "machine_busy": round((m1[0] - m0[0]) / max(1, m1[1] - m0[1]), 3),
             "loadavg_1m": round(load0, 2), "window_s": round(span, 2), "uploads_counted": n_up}
@@ -460,7 +482,8 @@ def main() -> None:
                           f"loop {r['server_loop_cpu']:.2f} + other threads {r['server_other_threads_cpu']:.2f} "
                           f"cores ({r['loop_cpu_ms_per_upload']} ms loop CPU an upload), ref compute "
                           f"{r['ref_compute_s']} s, queue {r['queue_depth_start_end']}"
-                          f"{'' if r['settled'] else ' (still filling)'} | clients {r['clients_cpu']:.2f}, consumer "
+                          f"{'' if r['settled'] else ' (still filling)'} | replicas {r['replicas_cpu']:.2f}, "
+                          f"clients {r['clients_cpu']:.2f}, consumer "
                           f"{r['consumer_cpu']:.2f} cores | machine {100 * r['machine_busy']:.0f}% busy, "
                           f"load {r['loadavg_1m']}", flush=True)
             finally:
@@ -481,7 +504,8 @@ def main() -> None:
         ceiling = 1e3 / statistics.median(cpu_ms) * per_group if cpu_ms else None  # one core for the loop
         if setting != "beta0":
             ref = [r["ref_tokens_per_compute_s"] for r in rows.values() if r["ref_tokens_per_compute_s"]]
-            ref_ceiling = statistics.median(ref) / tokens_per_sample if ref else None
+            # each replica computes at the measured rate (tokens per second of its compute)
+            ref_ceiling = max(1, REPLICAS.get(setting, 0)) * statistics.median(ref) / tokens_per_sample if ref else None
             ceiling = min(x for x in (ceiling, ref_ceiling) if x is not None) if (ceiling or ref_ceiling) else None
         capacity[setting] = {"samples_per_s": best["samples_per_s"], "at_clients": int(best_c),
                              "ceiling_samples_per_s": round(ceiling, 1) if ceiling else None}
@@ -506,7 +530,7 @@ def main() -> None:
                                                "latency_p99_ms", "delivered_samples_per_s", "loop_cpu_ms_per_upload",
                                                "server_loop_cpu", "server_other_threads_cpu", "ref_compute_s",
                                                "ref_tokens_per_compute_s", "clients_cpu", "consumer_cpu",
-                                               "machine_busy", "settled")}
+                                               "replicas_cpu", "machine_busy", "settled")}
                         for c, r in rows.items()} for s, rows in results.items()},
         "capacity": capacity, "workers_served": served, "estimate_7b_reference_h100": est,
         "worker_samples_per_s": args.worker_samples_s,
