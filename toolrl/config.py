@@ -330,8 +330,9 @@ class LearnerConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = 2
     dtype: Literal["bfloat16", "float32", "auto"] = "bfloat16"  # DeepSpeed's mixed precision; "auto" as model.dtype
     gradient_checkpointing: bool = False
-    # CPU only: pin the learner to these cores, one torch thread each. On a small machine shared with
-    # a vLLM worker, torch's threads on the engine's core stall every parallel region of the step.
+    # CPU only: pin the learner to these cores, one torch thread each. Measured on 2 cores with one
+    # vLLM worker (bench/placement.py, docs/BENCHMARKS.md): the learner on its own core trained 14%
+    # fewer samples an hour than the learner unpinned on both (it is the slower side), so None.
     cpu_cores: list[int] | None = None
     # compute each distinct prompt once per micro-batch and share its KV cache across the group's
     # completions (same values and gradients; off when gradient_checkpointing is on)
