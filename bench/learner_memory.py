@@ -1,0 +1,103 @@
+"""Benchmark: the learner's peak memory and step time under the settings that trade one for the other.
+Not a test.
+
+    .venv/bin/python bench/learner_memory.py [--settings mbt4096,mbt2048,mbt1024,ckpt4096] [--steps 3]
+
+Each setting runs in a process of its own (so one peak cannot carry into the next): the DeepSpeed
+learner (toolrl.learner.trainer.Trainer) on configs/cpu_demo.yaml's model and dtype (auto), `--steps`
+GRPO steps on the same batch shaped like the demo's (24 samples in groups of 4 sharing a ~360-token
+prompt, ~250-token completions with a tool-output span; bench/learner.py's make_batch). Reported: the
+process's peak resident memory (ru_maxrss: weights, DeepSpeed's fp32 master copy, gradients and Adam
+moments, activations, allocator slack) and resident memory right after the engine is built (before
+any step: what the states alone take), and the median step time.
+
+Settings: `mbtN` = learner.micro_batch_tokens N (the demo's is 4096; smaller micro-batches hold fewer
+activations at once; the gradient is the same); `ckptN` = the same with gradient checkpointing
+(recomputes activations in the backward; turns prompt sharing off).
+
+Last line: JSON with `results[setting]` = {peak_rss_mb, states_rss_mb, step_s_median}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+SETTINGS = {"mbt4096": ["learner.micro_batch_tokens=4096"], "mbt2048": ["learner.micro_batch_tokens=2048"],
+            "mbt1024": ["learner.micro_batch_tokens=1024"],
+            "ckpt4096": ["learner.micro_batch_tokens=4096", "learner.gradient_checkpointing=true"]}
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def one(setting: str, steps: int) -> dict:
+    from procs import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_learner", ROOT / "bench" / "learner.py")
+    bench_learner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_learner)  # its make_batch: the batch shape bench/learner.py times
+    from toolrl.config import load_config
+    from toolrl.learner.trainer import Trainer
+    from toolrl.models import resolve_model
+
+    cfg = load_config("configs/cpu_demo.yaml", [*SETTINGS[setting], "logging.wandb_mode=disabled"])
+    tr = Trainer(cfg, resolve_model(cfg.model.name))
+    states = rss_mb()
+    batch = bench_learner.make_batch(24, 360, 250, group=4)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        tr.train_step(batch)
+        times.append(time.perf_counter() - t0)
+    return {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "states_rss_mb": round(states, 1), "step_s_median": round(statistics.median(times), 2),
+            "step_s": [round(t, 2) for t in times], "tokens": sum(s.num_tokens for s in batch)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # run one setting in this process
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.steps)), flush=True)
+        return
+    chosen = [s for s in args.settings.split(",") if s]
+    unknown = [s for s in chosen if s not in SETTINGS]
+    if unknown:
+        ap.error(f"unknown settings {unknown}; known: {list(SETTINGS)}")
+    flags = sorted(x for x in ("avx2", "avx512_bf16", "amx_bf16") if x in Path("/proc/cpuinfo").read_text())
+    print(f"{len(chosen)} settings, {args.steps} steps each, {os.cpu_count()} cores ({' '.join(flags)})", flush=True)
+    results = {}
+    for s in chosen:
+        p = subprocess.run([sys.executable, __file__, "--one", s, "--steps", str(args.steps)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=1800)
+        if p.returncode != 0:
+            raise RuntimeError(f"{s} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+        results[s] = json.loads(p.stdout.strip().splitlines()[-1])
+        r = results[s]
+        print(f"{s:>9}: peak {r['peak_rss_mb']:.0f} MB (states alone {r['states_rss_mb']:.0f} MB), "
+              f"step {r['step_s_median']} s median of {r['step_s']}", flush=True)
+    print(json.dumps({"cpu_flags": flags, "steps": args.steps, "results": results}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
