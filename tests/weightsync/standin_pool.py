@@ -1,5 +1,6 @@
 """Stand-in gen workers (toolrl.worker.standin: the real receiver, gate and relay, a recording
 engine) as real processes on 127.0.0.1, for the weight-sync tests."""
+import contextlib
 import os
 import signal
 import time
@@ -68,6 +69,17 @@ class Pool:
         for p in self.procs:
             if p is not None:
                 p.stop()
+
+
+@contextlib.contextmanager
+def running(log_dir, n: int, token: str):
+    """A Pool of `n` started receivers, stopped at the end however the tests went (a module's fixture)."""
+    p = Pool(log_dir, n, token)
+    try:
+        p.start(range(n))
+        yield p
+    finally:
+        p.stop()
 
 
 def loaded(w: dict) -> dict:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from standin_pool import Pool, assert_exact, loaded
+from standin_pool import assert_exact, loaded, running
 from toolrl.config import load_config
 from toolrl.net import auth_headers
 from toolrl.protocol import CONTENT_TYPE
@@ -41,12 +41,8 @@ def _named(step: int = 0, layers=(), extra: bool = False) -> list[tuple[str, tor
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    p = Pool(tmp_path_factory.mktemp("delta"), N, TOKEN)
-    try:
-        p.start(range(N))
+    with running(tmp_path_factory.mktemp("delta"), N, TOKEN) as p:
         yield p
-    finally:
-        p.stop()
 
 
 def _sync(workers, *sets) -> WeightSync:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from standin_pool import Pool, assert_exact, loaded
+from standin_pool import assert_exact, loaded, running
 from toolrl.config import load_config
 from toolrl.net import auth_headers
 from toolrl.protocol import CONTENT_TYPE
@@ -40,12 +40,8 @@ def _named(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    p = Pool(tmp_path_factory.mktemp("fanout"), N, TOKEN)
-    try:
-        p.start(range(N))
+    with running(tmp_path_factory.mktemp("fanout"), N, TOKEN) as p:
         yield p
-    finally:
-        p.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -100,9 +100,7 @@ class Leases:
                     raise Refused(i, "ref_logprobs", f"{len(r)} values for {len(e.sample.completion_ids)} tokens")
                 check_logprobs(i, "ref_logprobs", r)
         except Refused:
-            self.refused += 1
-            rep["refused"] += 1
-            self._back(lease)
+            self._refuse(lease)
             raise
         done, failed = self.reference.settle(self.queue, lease.entries, rows, compute_s)
         rep["samples"] += done
@@ -113,7 +111,9 @@ class Leases:
 
     def refuse(self, lease_id: str) -> None:
         """An answer that cannot be read: counted, and its window goes back."""
-        lease = self.active.pop(lease_id)
+        self._refuse(self.active.pop(lease_id))
+
+    def _refuse(self, lease: Lease) -> None:
         self.refused += 1
         self._replica(lease.replica)["refused"] += 1
         self._back(lease)
