@@ -85,7 +85,9 @@ def test_every_reference_passes_its_tests_through_the_judge_and_wrong_programs_f
     for level, t in ALL:
         train, train_inst = problem_of(level, t, "train")
         held, inst = problem_of(level, t, "heldout")
-        good.append((teacher(train, random.Random(0)).text, train))
+        trace = teacher(train, random.Random(0)).text
+        assert '"""' not in trace  # the docstring is the prompt's; the trace is the function alone
+        good.append((trace, train))
         body = held.program[len(TestSpec.from_json(held.answer).code_prompt):]
         good.append((f"<think>\nok\n</think>\n```python\n{body}```", held))
         bad.append((f"```python\ndef {inst.name}(*args):\n    return None\n```", held))

@@ -9,8 +9,9 @@ many different functions.
 
 A problem is HumanEval's shape: the prompt is a signature and a docstring with the specification
 and two examples, the question is HumanEval's (`humaneval_question`), the tests are asserts on
-`candidate` (one test each, so the `tests` reward is the fraction passed), and `program`, the
-prompt plus the reference body, is the teacher's trace (toolrl.tasks.code.task.code_trace). The
+`candidate` (one test each, so the `tests` reward is the fraction passed); `program` is the prompt
+plus the reference body, and the teacher's trace (toolrl.tasks.code.task.code_trace) is the
+signature and the body alone (`meta["solution"]`: the prompt already shows the docstring). The
 expected values come from running the reference on the inputs (edge cases first, then random).
 
 The split. An instance's key is its template and its parameters (`instance_key`; names are left
@@ -104,9 +105,13 @@ def make_problem(inst: Instance, template: str, level: int, rng: random.Random, 
     spec = TestSpec("assert", tests=[f"assert candidate{call('', args)} == {want!r}" for args, want in tests],
                     entry_point=inst.name, code_prompt=prompt)
     key = instance_key(template, inst.params)
+    # The teacher writes the function without the docstring the prompt already shows: copied, it was
+    # most of a trace's tokens, so the SFT term's token mean spent most of its weight on copying.
+    solution = f"def {inst.name}({inst.args}) -> {inst.returns}:\n{body}"
     return Problem(id=pid, question=humaneval_question(prompt), answer=spec.to_json(), program=prompt + body,
                    level=level, grading="tests",
-                   meta={"source": "pycode", "template": template, "key": key, "split": split})
+                   meta={"source": "pycode", "template": template, "key": key, "split": split,
+                         "solution": solution})
 
 
 def draw_instance(template: Template, split: Split, stem: str) -> tuple[Instance, random.Random]:

@@ -46,8 +46,8 @@ def code_trace(problem: Problem, rng: random.Random, traces: dict[str, list[dict
     if problem.id in traces:
         row = rng.choice(traces[problem.id])
         thinking, code = row.get("thinking") or rng.choice(_CODE_THINKING), row["code"]
-    elif problem.program:
-        thinking, code = rng.choice(_CODE_THINKING), problem.program
+    elif problem.program:  # a compact solution where the task has one (pycode: no repeated docstring)
+        thinking, code = rng.choice(_CODE_THINKING), problem.meta.get("solution") or problem.program
     else:
         return None
     return TeacherTrace(f"<think>\n{thinking.strip()}\n</think>\n```python\n{code.strip()}\n```")
