@@ -24,8 +24,9 @@ def sandbox_pid_ns(forkserver_pid: int) -> str:
 
 
 def processes_with_uid(lo: int, hi: int, pid_ns: str | None = None) -> list[str]:
-    """Live (non-zombie) processes whose real uid is in [lo, hi], seen from the host; only those in
-    `pid_ns` when given (other executors on this machine may use the same uids)."""
+    """Live processes whose real uid is in [lo, hi], seen from the host; only those in `pid_ns` when
+    given (other executors on this machine may use the same uids). A zombie is not live, unless only
+    its main thread has exited and other threads still run (State Z, Threads > 1)."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -38,7 +39,8 @@ def processes_with_uid(lo: int, hi: int, pid_ns: str | None = None) -> list[str]
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         uid = int(fields["Uid"].split()[0])
-        if lo <= uid <= hi and not fields.get("State", "").strip().startswith(("Z", "X")):
+        dead = fields.get("State", "").strip().startswith(("Z", "X")) and int(fields.get("Threads", "1")) <= 1
+        if lo <= uid <= hi and not dead:
             found.append(f"pid {name} uid {uid} {fields.get('Name', '').strip()}")
     return found
 

@@ -62,6 +62,60 @@ def test_without_a_tmpfs_per_lane_cleanup_still_leaves_nothing_and_survives_deep
             check_nothing_carries_over(c)
 
 
+# A block that replaces the runner's kill helper, then leaves children behind every way it can: plain
+# forks, a setsid double fork (re-parented to PID 1), and a process whose main thread has exited while
+# another thread runs (a zombie leader: "Z" in /proc, but alive).
+LEAVE_CHILDREN = """import ctypes, os, platform, sys, threading, time
+sys.modules['toolrl.executor.runner.child']._sweep_own_uid = lambda: None
+for _ in range(3):
+    if os.fork() == 0:
+        time.sleep(1000)
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(1000)
+    os._exit(0)
+if os.fork() == 0:
+    threading.Thread(target=time.sleep, args=(1000,)).start()
+    ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)  # SYS_exit: this thread
+x = 42
+print('parent done')"""
+
+# A block that keeps a child of its own alive for 1.5 s and checks, at its end, that it still runs.
+KEEP_CHILD = """import os, time
+pid = os.fork()
+if pid == 0:
+    time.sleep(1000)
+time.sleep(1.5)
+print('child alive' if os.waitpid(pid, os.WNOHANG) == (0, 0) else 'child gone')"""
+
+
+def test_without_cgroups_a_blocks_children_are_killed_at_its_end_and_no_one_elses(tmp_path):
+    """No cgroup (every cgroup-v2-only host): the fork server finds a session's other processes by its
+    uid in /proc and kills them when a block ends, whatever the block did to the runner's own kill
+    helper. Another session's processes, in the middle of its block, and the service's are untouched."""
+    with LocalExecutor(sets=['executor.disable_isolation=["cgroup"]', "executor.workers=2"],
+                       log_path=tmp_path / "executor.log") as ex, ExecutorClient(ex.url, timeout_s=60) as c:
+        h = c._http.get("/health").json()
+        assert any(m.startswith("cgroup:") for m in h["isolation"]["missing"]), h["isolation"]
+        ns = sandbox_pid_ns(h["forkserver_pid"])
+        sessions = lambda: processes_with_uid(*h["uids"]["sessions"], pid_ns=ns)  # noqa: E731
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            other = pool.submit(c.execute, KEEP_CHILD, session_id="other", timeout_s=10)
+            time.sleep(0.5)  # "other" is in its block, its child alive, when this block ends
+            r = c.execute(LEAVE_CHILDREN, session_id="helper")
+            assert (r.status, r.stdout, r.session_note) == ("ok", "parent done\n", None), r
+            assert len(sessions()) == 3, sessions()  # the two runners, and "other"'s child
+            r = other.result()
+        assert (r.status, r.stdout) == ("ok", "child alive\n"), r
+        assert len(sessions()) == 2, sessions()  # each session's runner, waiting for its next block
+        r = c.execute("print(x)", session_id="helper")
+        assert (r.stdout, r.session_reset) == ("42\n", False), r
+        h2 = c._http.get("/health").json()
+        assert h2["forkserver_pid"] == h["forkserver_pid"] and h2["restarts"] == h["restarts"], h2
+        assert c.execute("print('one-shot')").stdout == "one-shot\n"
+
+
 HOLD = "x = bytearray({mb} << 20)\nx[::4096] = b'\\1' * (len(x) >> 12)\nprint('held')"  # every page touched
 
 

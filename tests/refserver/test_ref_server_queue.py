@@ -11,7 +11,8 @@ import torch
 
 from toolrl.protocol import Sample, ToolCall, decode_samples, encode_samples
 from toolrl.refserver.app import Replay
-from toolrl.refserver.queue import AsyncSampleQueue, GroupTooLarge, QueueFull, SampleQueue, sample_nbytes
+from toolrl.refserver.queue import (FIXED_SIZE_FIELDS, SIZED_FIELDS, AsyncSampleQueue, GroupTooLarge, QueueFull,
+                                   SampleQueue, sample_nbytes)
 from toolrl.refserver.reference import plan_batches
 from toolrl.refserver.registry import RegistryError, WorkerRegistry
 
@@ -346,20 +347,40 @@ def _big(**kw) -> Sample:
     return Sample(**{**fields, **kw})
 
 
-@pytest.mark.parametrize("name,group", [
-    ("huge group id", [_big(group_id="g" * (1 << 20))]),
-    ("huge reward names", [_big(rewards={f"r{i:06d}" + "x" * 50: 1.0 for i in range(20000)})]),
-    ("many small reward names", [_big(rewards={str(i): float(i) for i in range(50000)})]),
-    ("wide reward names", [_big(rewards={"é" * 100000: 1.0, "😀" * 100000: 2.0})]),
-    ("huge tool outputs", [_big(tool_calls=[ToolCall(code="c" * 1000, status="ok", output="o" * 100000)] * 20)]),
-    ("many tool calls", [_big(tool_calls=[ToolCall(code="", status="ok", output="")] * 10000)]),
-    ("wide text", [_big(text="😀" * 200000)]),
-    ("tokens", [_big(prompt_ids=list(range(1000, 1200)), completion_ids=list(range(3000, 5000)),
-                     loss_mask=[1] * 2000, logprobs=[-0.25] * 2000) for _ in range(4)]),
-])
+_TOKENS = ("prompt_ids", "completion_ids", "loss_mask", "logprobs", "ref_logprobs")
+# (case, the Sample fields it makes large, the group): every sized field needs one (checked below).
+_HELD_CASES = [
+    ("huge group id", {"group_id"}, [_big(group_id="g" * (1 << 20))]),
+    ("huge reward names", {"rewards"}, [_big(rewards={f"r{i:06d}" + "x" * 50: 1.0 for i in range(20000)})]),
+    ("many small reward names", {"rewards"}, [_big(rewards={str(i): float(i) for i in range(50000)})]),
+    ("wide reward names", {"rewards"}, [_big(rewards={"é" * 100000: 1.0, "😀" * 100000: 2.0})]),
+    ("huge tool outputs", {"tool_calls"},
+     [_big(tool_calls=[ToolCall(code="c" * 1000, status="ok", output="o" * 100000)] * 20)]),
+    ("many tool calls", {"tool_calls"}, [_big(tool_calls=[ToolCall(code="", status="ok", output="")] * 10000)]),
+    ("wide text", {"text"}, [_big(text="😀" * 200000)]),
+    # Indices and versions above 256 (not the interpreter's cached small ints), as after a long run.
+    ("many version runs", {"version_runs"},
+     [_big(completion_ids=[5] * 2000, loss_mask=[1] * 2000, logprobs=[-0.5] * 2000, policy_version=1000,
+           version_runs=[(i, 1000 + i) for i in range(2000)])]),
+    ("longest ids and stop reasons", {"sample_id", "stop_reason"},
+     [_big(sample_id=f"{i:064d}", stop_reason="max_total_tokens") for i in range(200)]),
+    ("tokens", set(_TOKENS), [_big(prompt_ids=list(range(1000, 1200)), completion_ids=list(range(3000, 5000)),
+                                   loss_mask=[1] * 2000, logprobs=[-0.25] * 2000) for _ in range(4)]),
+]
+
+
+def test_sample_nbytes_accounts_for_every_field():
+    """A field added to Sample must be counted by sample_nbytes (or shown fixed-size) and get a case
+    below that makes it large: otherwise a client could fill the server through it unbounded."""
+    assert not FIXED_SIZE_FIELDS & SIZED_FIELDS
+    assert FIXED_SIZE_FIELDS | SIZED_FIELDS == set(Sample.model_fields)
+    assert set().union(*(fields for _, fields, _ in _HELD_CASES)) == SIZED_FIELDS
+
+
+@pytest.mark.parametrize("name,group", [(name, group) for name, _, group in _HELD_CASES])
 def test_sample_nbytes_bounds_what_a_decoded_sample_holds(name, group):
     """The queue's byte bound is only as good as this estimate: it must cover everything a sample
-    makes the server hold (strings, dict keys, tool records, then ref_logprobs), and not overstate it
+    makes the server hold (strings, dict keys, tool records, version runs, then ref_logprobs), and not overstate it
     much (the bound would waste memory). Checked against tracemalloc."""
     body = encode_samples(group)
     samples, held = _held_bytes(body, with_ref=False)

@@ -36,10 +36,11 @@ def sample_nbytes(s: Sample) -> int:
     per token ~40 B for an id held in a list (int object + pointer), 8 B for a mask entry, 32 B per
     float (logprobs, then ref_logprobs); strings at their stored size (sys.getsizeof is O(1) for a str
     and knows 1, 2 or 4 bytes per character); per reward and per tool call the dict entry, float and
-    model-object overhead. The base covers the model object, its field dict, the empty lists and the
+    model-object overhead; per version run its tuple, two ints and list slot. The base covers the
+    model object, its field dict, the empty lists, the fixed-size fields (FIXED_SIZE_FIELDS) and the
     queue entry."""
     p, c = len(s.prompt_ids), len(s.completion_ids)
-    n = SAMPLE_BASE_BYTES + 40 * p + 120 * c
+    n = SAMPLE_BASE_BYTES + 40 * p + 120 * c + VERSION_RUN_BYTES * len(s.version_runs)
     n += _str_bytes(s.group_id) + _str_bytes(s.sample_id) + _str_bytes(s.text) + _str_bytes(s.stop_reason)
     n += sum(_str_bytes(k) + REWARD_ENTRY_BYTES for k in s.rewards)
     n += sum(TOOL_CALL_BYTES + _str_bytes(t.code) + _str_bytes(t.status) + _str_bytes(t.output) for t in s.tool_calls)
@@ -49,6 +50,16 @@ def sample_nbytes(s: Sample) -> int:
 SAMPLE_BASE_BYTES = 3072
 REWARD_ENTRY_BYTES = 128  # dict slot and index (~40 B grown), the float (24 B), the key's pointer
 TOOL_CALL_BYTES = 640  # a ToolCall: the object, its __dict__ and fields-set, its list slot
+# A (first token, version) run: the 2-tuple (56 B), two ints (32 B each below 2**60: indices are below
+# the completion's length and versions at most the learner's by the time a sample is queued) and its
+# list slot. tracemalloc measured 115-122 B a run.
+VERSION_RUN_BYTES = 128
+# How sample_nbytes counts each field of Sample; the two sets must cover Sample.model_fields exactly
+# (tests/refserver/test_ref_server_queue.py fails otherwise), so that a new field cannot go uncounted
+# unnoticed. Fixed-size fields are in SAMPLE_BASE_BYTES: floats, a bounded int, one of a few literals.
+FIXED_SIZE_FIELDS = frozenset({"reward", "advantage", "policy_version", "source"})
+SIZED_FIELDS = frozenset({"prompt_ids", "completion_ids", "loss_mask", "logprobs", "ref_logprobs", "rewards",
+                          "group_id", "sample_id", "version_runs", "stop_reason", "tool_calls", "text"})
 _str_bytes = sys.getsizeof
 
 

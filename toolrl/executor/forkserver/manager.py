@@ -30,7 +30,7 @@ from toolrl.executor.forkserver.lanes import Lane, LaneFactory
 from toolrl.executor.forkserver.memory_admission import TICK_S, admission_for
 from toolrl.executor.forkserver.records import MAX_REPORTS, Proc, Run, Session, Slot, classify, synthetic
 from toolrl.executor.forkserver.session_runners import SESSION_UID_OFFSET, SessionRunners
-from toolrl.executor.forkserver.sweeper import Sweeper, sweep_descendants
+from toolrl.executor.forkserver.sweeper import Sweeper, pidfds_work, sweep_descendants
 from toolrl.executor.forkserver.zygote import ZygoteLink
 from toolrl.executor.runner.child import SETUP_FAILED
 from toolrl.executor.syscalls import clear_wakeup, kill, proc_cpu_s, prlimit, sigchld_wakeup
@@ -103,6 +103,14 @@ class ForkServer(SessionRunners):
                      + ["heavy"] * min(self.workers + 1, half))
         base = cfg["uid_base"]
         self.slots = [Slot(i, lanes.make(f"slot{i}", base + i), kind) for i, kind in enumerate(kinds)]
+        # Without a cgroup, a session's other processes are found by its uid (kill_lane_others): safe
+        # only where /proc's pids are ours and a pidfd can pin each one.
+        self.helper_pids = {os.getpid(), sweeper.pid, *(z.pid for z in self.zygotes.values())}
+        self.uid_kill = bool(report["uid_drop"] and self.proc_consistent and pidfds_work())
+        if not cgroups and report["uid_drop"] and not self.uid_kill:
+            report.setdefault("warnings", []).append(
+                "a session block's leftover processes are killed only by the runner's own helper, which the "
+                "session's code can replace (no cgroup, and no pidfds or no /proc of the sandbox's own)")
         self.memory = admission_for(self)  # None where a memory cgroup bounds the total (or nothing can)
 
     def memory_tick(self) -> None:

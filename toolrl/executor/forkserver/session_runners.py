@@ -10,6 +10,7 @@ import logging
 
 from toolrl.executor.forkserver.capture import Capture
 from toolrl.executor.forkserver.records import Proc, Session, describe_exit, synthetic
+from toolrl.executor.forkserver.sweeper import kill_uid_others
 from toolrl.executor.runner.child import JOB_FD
 from toolrl.executor.syscalls import kill, proc_cpu_s, waiting_on_read
 
@@ -72,9 +73,9 @@ class SessionRunners:
 
     def confirm_block(self, p: Proc, run, attempt: int = 0) -> None:
         """A session's block has reported. It has ended when the fork server sees so itself: nothing
-        else runs in the session's lane (killed here: the runner's own kill helper is the session's
-        code to replace) and the runner waits for its next job with none of its threads running.
-        Until then the block goes on, under its time limit (a forged report gains nothing)."""
+        else runs in the session's lane (killed here, kill_lane_others: the runner's own kill helper is
+        the session's code to replace) and the runner waits for its next job with none of its threads
+        running. Until then the block goes on, under its time limit (a forged report gains nothing)."""
         if p.run is not run or run.done:
             return
         idle = False if self.kill_lane_others(p) else waiting_on_read(p.pid, JOB_FD)
@@ -87,16 +88,20 @@ class SessionRunners:
             self.session_block_done(p)
 
     def kill_lane_others(self, p: Proc) -> bool:
-        """Kill every process of p's lane but p itself; whether there were any."""
-        if not self.cgroups:
+        """Kill every process of p's lane but p itself; whether there were any. The lane's cgroup lists
+        them; without one (every cgroup-v2-only host), /proc does, by the lane's uid."""
+        if self.cgroups:
+            try:
+                others = [pid for pid in self.cgroups.procs(p.lane.name) if pid != p.pid]
+            except OSError:
+                others = None
+            if others is not None:
+                for pid in others:
+                    kill(pid)
+                return bool(others)
+        if not self.uid_kill or p.lane.uid is None:
             return False
-        try:
-            others = [pid for pid in self.cgroups.procs(p.lane.name) if pid != p.pid]
-        except OSError:
-            return False
-        for pid in others:
-            kill(pid)
-        return bool(others)
+        return kill_uid_others(p.lane.uid, self.procs.keys() | self.helper_pids)
 
     def session_block_done(self, p: Proc) -> None:
         run, s = p.run, p.session

@@ -1,4 +1,5 @@
-"""The sweeper, and the fallback sweep when lanes have no uid of their own.
+"""The sweeper, the kill of a session's other processes without a cgroup, and the fallback sweep
+when lanes have no uid of their own.
 
 The sweeper kills everything a lane's uid still owns. It is a small helper forked before the heavy
 imports (so its own forks are cheap) that forks a child, drops to the uid and calls kill(-1, SIGKILL)
@@ -12,6 +13,7 @@ import os
 import signal
 import struct
 import time
+from collections.abc import Container
 
 from toolrl.executor.syscalls import become, kill
 
@@ -110,6 +112,62 @@ def _alive_with_uid(uid: int) -> bool:
         if real == uid and state not in (b"Z", b"X"):
             return True
     return False
+
+
+def kill_uid_others(uid: int, known: Container[int]) -> bool:
+    """Kill every process whose uids (real, effective, saved, filesystem) are all `uid`, except those
+    in `known` (the service's own: runners, zygotes, the sweeper, the caller); whether any of them was
+    alive. How a session's leftover processes are found where no cgroup lists them: only its runner
+    and what the runner started have its uid (a lane's processes cannot change uid; the service's are
+    root, and the one that becomes the uid, the runner, is known). The sweeper cannot do it: its
+    kill(-1) as the uid would take the runner too.
+
+    Never signals a process it has not checked, whatever pid reuse happens meanwhile: a candidate is
+    pinned by a pidfd, its /proc entry read again, and the signal sent through the pidfd. A pid freed
+    and reused before that read leaves the pidfd on the process that is gone, and the signal fails.
+    Needs pidfds (Linux 5.3) and a /proc whose pids are the caller's."""
+    alive = False
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in known or _uid_alive(name, uid) is None:
+            continue
+        try:
+            fd = os.pidfd_open(int(name))
+        except OSError:  # gone
+            continue
+        try:
+            state = _uid_alive(name, uid)  # again, now that this pid cannot name another process
+            if state is not None:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                alive |= state
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(fd)
+    return alive
+
+
+def _uid_alive(pid: str, uid: int) -> bool | None:
+    """None unless every uid of `pid` is `uid`; else whether it is alive: not a zombie, or a zombie
+    leader whose other threads still run (its main thread exited alone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read()
+    except OSError:
+        return None
+    at = status.find(b"\nUid:")
+    uids = status[at + 5:status.find(b"\n", at + 1)].split() if at >= 0 else []
+    if len(uids) != 4 or any(int(u) != uid for u in uids):
+        return None
+    fields = dict(line.split(b":", 1) for line in status.split(b"\n") if b":" in line)
+    return fields.get(b"State", b"").strip()[:1] not in (b"Z", b"X") or int(fields.get(b"Threads", b"1")) > 1
+
+
+def pidfds_work() -> bool:
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+        return True
+    except (AttributeError, OSError):
+        return False
 
 
 def sweep_descendants(protect: set[int], proc_consistent: bool) -> None:
