@@ -19,6 +19,10 @@ def run(tmp_path_factory):
     cmd = ["bash", "launch.sh", "--config", "configs/cpu_tiny.yaml", "--run-dir", str(run_dir), "--workers", "1"]
     for p in ports:
         cmd += ["--set", p]
+    # Delta updates end to end (auto would send full weights on loopback). Here it costs nothing: the
+    # tiny model's weights take milliseconds to encode and apply, and this run's fp32 probe (< 1e-3,
+    # test_every_worker_holds_the_final_policy) sees any wrong byte the two delta syncs could leave.
+    cmd += ["--set", "learner.sync_delta=on"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"launch.sh failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return run_dir, proc.stdout
@@ -62,6 +66,13 @@ def test_every_worker_holds_the_final_policy(run):
     assert w["policy_version"] == 3
     assert w["probe_max_abs_diff_export"] < 1e-3  # the worker's logprobs are the learner's
     assert w["probe_max_abs_diff_base"] > 10 * w["probe_max_abs_diff_export"]  # and not the base model's
+    # ...after deltas: the first sync is whole (the learner held no earlier version), the later ones
+    # went out as deltas, under one copy (a delta refused or not applied is sent again whole)
+    rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["sync_delta_bytes"] == 0 and rows[0]["sync_bytes"] >= rows[0]["sync_copy_bytes"] > 0
+    for r in rows[1:]:
+        assert 0 < r["sync_delta_bytes"] <= r["sync_bytes"] < r["sync_copy_bytes"], r
+    assert "refused the delta" not in (run_dir / "logs" / "learner.log").read_text()
 
 
 def test_samples_carry_masked_tool_output_and_advancing_versions(run):

@@ -50,11 +50,36 @@ def test_the_reference_model_on_the_cpu_leaves_every_gpu_to_the_learner():
     assert len(re.findall(r"^== node-\d: gen workers$", p.stdout, re.M)) == 3
 
 
+def test_reference_replicas_take_the_chosen_gpus_of_every_worker_node_behind_a_front():
+    """REF_REPLICAS=0: GPU 0 of every worker node runs a reference replica of node 0's server instead
+    of a gen worker; node 0's server becomes a front that loads no model, so its GPU goes to the learner."""
+    p = dry_run(REF_REPLICAS="0")
+    assert p.returncode == 0, p.stderr
+    head, workers = p.stdout.split("== node-1")[0], p.stdout.split("== node-2")[1]
+    assert re.search(r'ref_server\s+CUDA_VISIBLE_DEVICES="" .*--set ref_server\.local_reference=false', head)
+    assert "--nproc_per_node 8" in head
+    replicas = [line for line in workers.splitlines() if "ref_server.py" in line]
+    assert len(replicas) == 2  # one on each worker node
+    for line in replicas:
+        assert re.search(r"^\s*CUDA_VISIBLE_DEVICES=0 \S+ ref_server\.py --replica-of http://node-0:8200 "
+                         r"--replica-id node-[23]-ref0 .*--set ref_server\.device=cuda:0$", line), line
+    gen = re.findall(r"CUDA_VISIBLE_DEVICES=(\d) \S+ gen_worker\.py", workers)
+    assert sorted(gen) == sorted([str(g) for g in range(1, 8)] * 2)
+
+
 def test_bad_settings_are_one_clear_error(tmp_path):
     p = dry_run(LEARNER_NODES="4")
     assert p.returncode == 2 and "at least one node must run gen workers" in p.stderr
     p = dry_run(REF_GPU="9")
     assert p.returncode == 2 and "REF_GPU '9'" in p.stderr
+    p = dry_run(REF_REPLICAS="0", REF_GPU="0")  # a front loads no model: its GPU would sit idle
+    assert p.returncode == 2 and "leave REF_GPU empty" in p.stderr
+    p = dry_run(REF_REPLICAS="0,1,2,3,4,5,6,7")
+    assert p.returncode == 2 and "leaves no GPU of a worker node to gen workers" in p.stderr
+    beta0 = tmp_path / "beta0.yaml"
+    beta0.write_text((ROOT / "configs/gpu_qwen25_math_1p5b_gsm8k_8gpu.yaml").read_text() + "\ngrpo:\n  beta: 0\n")
+    p = dry_run(REF_REPLICAS="0", CONFIG=str(beta0))
+    assert p.returncode == 2 and "beta 0 does not use" in p.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text((ROOT / "configs/gpu_qwen25_math_1p5b_gsm8k_8gpu.yaml").read_text() + "\nrollout:\n  nonsense: 1\n")
     p = dry_run(CONFIG=str(bad))

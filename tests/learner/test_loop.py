@@ -58,3 +58,79 @@ def test_dynamic_sampling_in_the_loop_draws_past_flat_groups(tmp_path):
     m = rows[0]
     assert (m["samples_drawn"], m["dynamic_sampling_dropped"], m["samples"]) == (16, 8, 8)
     assert m["samples_no_signal"] == 0
+
+
+CATCH_UP_MAIN = """
+import json, os, sys
+from pathlib import Path
+sys.path[:0] = [os.getcwd(), "tests", "tests/learner"]  # the script lies elsewhere: this checkout first
+from test_trainer import batch, make_cfg
+import toolrl.learner.loop as loop
+from toolrl.weightsync.pusher import WeightSync
+
+out = Path(sys.argv[1])
+rank = int(os.environ["RANK"])
+
+
+class Ref:  # the reference server's client: one registered worker, and batches made here
+    draws = 0
+
+    def workers(self):
+        return [{"id": "w0", "url": "http://127.0.0.1:9", "policy_version": 0}]
+
+    def get_batch(self, n, tokens, wait_s, min_samples):
+        # rank 0 gets its share in one draw, rank 1 in two: the ranks draw unequal numbers of times
+        self.draws += 1
+        return batch(100 * rank + self.draws, n_groups=1, group=4 if rank == 0 else 2)
+
+    def set_version(self, version):
+        pass
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+class Transport:  # the worker's side: the first push fails, so the worker is behind at the next draw
+    def __init__(self):
+        self.pushes = []
+
+    def push(self, worker, named, version, delta=False):
+        self.pushes.append([version, sum(t.numel() for _, t in named)])
+        return {"error": "offline"} if len(self.pushes) == 1 else {"version": version, "loaded": True}
+
+    def forget(self, keys):
+        pass
+
+
+ref, transport = Ref(), Transport()
+loop.RefServerClient = lambda url, token=None: ref
+loop.WeightSync = lambda cfg, client: WeightSync(cfg, client, transport=transport)
+cfg = make_cfg("learner.zero_stage=3", "learner.steps=2", "learner.batch_samples=8", "learner.checkpoint_every=2",
+               "learner.batch_timeout_s=60", "eval.before_after=false", "logging.tensorboard=false",
+               "logging.dump_samples=false")
+loop.run(cfg, out / "run", resume=False)
+(out / f"rank{rank}.json").write_text(json.dumps({"pushes": transport.pushes, "draws": ref.draws}))
+"""
+
+
+def test_zero3_ranks_catch_a_late_worker_up_together(tmp_path):
+    """Under ZeRO-3 export_state is a collective gather, so a catch-up push while the ranks draw
+    their batch needs every rank: rank 0 decides, all take part in the export, rank 0 sends. Here
+    the one worker misses version 1's push and is behind at step 2's first draw; the ranks draw
+    unequal numbers of times (1 and 2 per step). Rank 0 exporting alone hangs the run (the timeout)."""
+    from test_trainer import launch_ranks
+
+    from toolrl.models import resolve_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    reports = launch_ranks(tmp_path, nnodes=1, script=CATCH_UP_MAIN, timeout_s=150)
+    whole = sum(p.numel() for p in AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(resolve_model("tiny-random"))).state_dict().values())
+    # version 1 fails, the catch-up sends it again with whole (gathered) tensors, then version 2
+    assert reports[0]["pushes"] == [[1, whole], [1, whole], [2, whole]]
+    assert reports[1]["pushes"] == [] and (reports[0]["draws"], reports[1]["draws"]) == (2, 4)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["policy_version"], r["workers_ok"]) for r in rows] == [(1, 1, 0), (2, 2, 1)]

@@ -412,11 +412,12 @@ tr.close()
 """
 
 
-def launch_ranks(out, nnodes: int) -> dict[int, dict]:
-    """Two learner ranks (DeepSpeed ZeRO-2 over gloo) started the way a cluster starts them: one
-    torchrun with both ranks (nnodes=1), or two torchruns of one rank each with --node_rank 0 and 1
-    meeting at 127.0.0.1 (nnodes=2, two "nodes" on this machine). Each rank's report by rank;
-    rank 0 also writes out/weights.safetensors."""
+def launch_ranks(out, nnodes: int, script: str = RANK_MAIN, timeout_s: float = 300) -> dict[int, dict]:
+    """Two learner ranks (gloo) started the way a cluster starts them: one torchrun with both ranks
+    (nnodes=1), or two torchruns of one rank each with --node_rank 0 and 1 meeting at 127.0.0.1
+    (nnodes=2, two "nodes" on this machine), each running `script` with `out` as its argument.
+    Each rank's report (out/rank{r}.json) by rank. RANK_MAIN (ZeRO-2) also writes
+    out/weights.safetensors on rank 0."""
     import json
     import os
     import re
@@ -426,8 +427,8 @@ def launch_ranks(out, nnodes: int) -> dict[int, dict]:
     from procs import ROOT
 
     out.mkdir(parents=True, exist_ok=True)
-    script = out / "rank_main.py"
-    script.write_text(RANK_MAIN)
+    main = out / "rank_main.py"
+    main.write_text(script)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc_per_node",
                 str(2 // nnodes), "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
@@ -438,14 +439,19 @@ def launch_ranks(out, nnodes: int) -> dict[int, dict]:
         procs = []
         for node in range(nnodes):
             with open(out / f"node{node}.log", "w") as log:
-                procs.append(subprocess.Popen([*torchrun, "--node_rank", str(node), str(script), str(out)], cwd=ROOT,
+                procs.append(subprocess.Popen([*torchrun, "--node_rank", str(node), str(main), str(out)], cwd=ROOT,
                                               env=env, stdout=log, stderr=subprocess.STDOUT))
         try:
             for p in procs:
-                p.wait(timeout=300)
-        finally:
+                p.wait(timeout=timeout_s)
+        finally:  # torchrun stops its ranks on SIGTERM (they run in sessions of their own: a kill orphans them)
             for p in procs:
-                p.kill()
+                if p.poll() is None:
+                    p.terminate()
+                    try:
+                        p.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
         logs = [(out / f"node{node}.log").read_text() for node in range(nnodes)]
         # One retry, only when the first rank to fail died natively (abort, segfault, bus error): a
         # rank died of signal 6 on a CI machine once in ~30 suites (the kept log did not say where).

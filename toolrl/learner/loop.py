@@ -40,6 +40,15 @@ def whole_batch(batch: list, world: int) -> list:
     return [s for share in shares for s in share] if shares else batch
 
 
+def from_rank0(value, world: int):
+    """Rank 0's `value` on every rank. Collective."""
+    if world == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
     ckpt_dir = run_dir / "checkpoints" if run_dir else Path(cfg.learner.checkpoint_dir)
     log_dir = run_dir / "logs" if run_dir else Path(cfg.logging.log_dir)
@@ -69,19 +78,23 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
     sync_dtype = getattr(torch, resolve_dtype(cfg.model.dtype))  # what the workers' engines run
     state = lambda: trainer.export_state(sync_dtype)  # noqa: E731
     monitor = Monitor(cfg, log_dir, trainer.rank)
-    if rank0 and resume and trainer.step > 0:
-        # Workers may hold weights newer than the checkpoint (trained after it, then lost): the
-        # resumed policy gets a version above all of them, so nothing mistakes it for older.
-        ahead = max([int(w.get("policy_version", 0)) for w in ref.workers()] + [-1])
-        if ahead >= trainer.version:
-            trainer.version = ahead + 1
-        sync.push(state(), trainer.version)
-        # Each worker continues its problem stream and curriculum where it was at the checkpoint
-        # (the reference server hands a state back to the worker of that id at its next heartbeat).
-        workers = (run_state or {}).get("workers") or {}
-        if workers:
-            ref.set_resume_states(workers)
-            log.info("handed back the problem-stream state of %d workers", len(workers))
+    if resume and trainer.step > 0:  # every rank (it was agreed above): the export below is collective
+        if rank0:
+            # Workers may hold weights newer than the checkpoint (trained after it, then lost): the
+            # resumed policy gets a version above all of them, so nothing mistakes it for older.
+            ahead = max([int(w.get("policy_version", 0)) for w in ref.workers()] + [-1])
+            if ahead >= trainer.version:
+                trainer.version = ahead + 1
+        trainer.version = from_rank0(trainer.version, world)
+        named = state()  # every rank: a ZeRO-3 gather is collective
+        if rank0:
+            sync.push(named, trainer.version)
+            # Each worker continues its problem stream and curriculum where it was at the checkpoint
+            # (the reference server hands a state back to the worker of that id at its next heartbeat).
+            workers = (run_state or {}).get("workers") or {}
+            if workers:
+                ref.set_resume_states(workers)
+                log.info("handed back the problem-stream state of %d workers", len(workers))
     elif rank0:
         ref.set_version(trainer.version)
 
@@ -95,6 +108,19 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
                 log.warning("could not read the workers' states for the checkpoint: %s", exc)
         trainer.save_checkpoint(ckpt_dir, {"teacher_weight": teacher_weight.state_dict(),
                                            "train_elapsed_s": elapsed(), "workers": workers})
+
+    def catch_up(drawing: bool) -> bool:
+        """One round of bringing late workers up to the current policy while the ranks wait for their
+        batch, on every rank together: rank 0 finds who is behind and, if anyone is, every rank takes
+        part in the export (under ZeRO-3 a collective gather) and rank 0 sends it. Ranks draw their
+        shares a different number of times, so a rank whose share is complete goes on joining rounds
+        (drawing False) until none draws. -> whether some rank still draws."""
+        behind = sync.behind(trainer.version) if rank0 else []
+        if trainer.all_agree(bool(behind)):
+            named = state()
+            if rank0:
+                sync.catch_up(lambda: named, trainer.version, behind)
+        return trainer.all_agree(drawing)
 
     def held_out(tag: str) -> None:
         """A held-out evaluation (the `eval` section) on a live worker holding the current policy.
@@ -132,12 +158,13 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
         want, budget = max(1, cfg.learner.batch_samples // world), cfg.learner.batch_tokens // world
 
         def draw(n: int, tokens: int) -> list:
-            if rank0:
-                sync.catch_up(state, trainer.version)  # late workers get the policy while we wait
+            catch_up(drawing=True)  # late workers get the policy while we wait
             return ref.get_batch(n, tokens, wait_s=min(10.0, cfg.ref_server.batch_wait_s), min_samples=n) or []
 
         got = gather_batch(draw, want, budget, t0 + cfg.learner.batch_timeout_s, cfg.grpo.dynamic_sampling,
                            cfg.grpo.max_draws, what=cfg.ref_server.url)
+        while world > 1 and catch_up(drawing=False):  # this rank's share is complete; others still draw
+            pass
         batch = got.samples
         t1 = time.time()
         metrics = trainer.train_step(batch, w_teacher=teacher_weight.value)

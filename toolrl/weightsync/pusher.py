@@ -196,15 +196,21 @@ class WeightSync:
             outcomes[w["id"]] = {"error": f"not reached: the tree's root failed {self.retry.retries + 1} times"}
         return outcomes
 
-    def catch_up(self, state_fn, version: int) -> int:
-        """Push the current weights to live workers that are behind (late joiners, earlier failures)."""
+    def behind(self, version: int) -> list[dict]:
+        """Live workers that are behind `version` (late joiners, earlier failures); workers that left
+        are forgotten."""
         live = self.trusted(self.ref.workers())
         keys = {(w["id"], w["url"]) for w in live}
         self.pushed = {k: v for k, v in self.pushed.items() if k in keys}  # forget workers that left
         self.transport.forget(keys)
         # The registry learns a worker's version from its next heartbeat; what we pushed counts now.
-        behind = [w for w in live
-                  if max(int(w.get("policy_version", 0)), self.pushed.get((w["id"], w["url"]), 0)) < version]
+        return [w for w in live
+                if max(int(w.get("policy_version", 0)), self.pushed.get((w["id"], w["url"]), 0)) < version]
+
+    def catch_up(self, state_fn, version: int, behind: list[dict] | None = None) -> int:
+        """Push the current weights to the workers that are `behind` (default: those `behind(version)`
+        finds now); `state_fn` is called only if there are any."""
+        behind = self.behind(version) if behind is None else behind
         if not behind:
             return 0
         log.info("bringing %d worker(s) up to version %d: %s", len(behind), version, [w["id"] for w in behind])
