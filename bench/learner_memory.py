@@ -2,18 +2,23 @@
 Not a test.
 
     .venv/bin/python bench/learner_memory.py [--settings mbt4096,mbt2048,mbt1024,ckpt4096] [--steps 3]
+    .venv/bin/python bench/learner_memory.py --config configs/cpu_code.yaml --settings mbt2048,lora2048 \
+        --prompt-tokens 260 --completion-tokens 120      # full fine-tuning against LoRA on the code recipe
 
 Each setting runs in a process of its own (so one peak cannot carry into the next): the DeepSpeed
-learner (toolrl.learner.trainer.Trainer) on configs/cpu_demo.yaml's model and dtype (auto), `--steps`
-GRPO steps on the same batch shaped like the demo's (24 samples in groups of 4 sharing a ~360-token
-prompt, ~250-token completions with a tool-output span; bench/learner.py's make_batch). Reported: the
+learner (toolrl.learner.trainer.Trainer) on `--config`'s model and dtype (default configs/cpu_demo.yaml,
+dtype auto), `--steps` GRPO steps on the same batch (24 samples in groups of 4 sharing a
+`--prompt-tokens` prompt, `--completion-tokens` completions with a tool-output span; by default the
+demo's shape, ~360 and ~250; bench/learner.py's make_batch). Reported: the
 process's peak resident memory (ru_maxrss: weights, DeepSpeed's fp32 master copy, gradients and Adam
 moments, activations, allocator slack) and resident memory right after the engine is built (before
 any step: what the states alone take), and the median step time.
 
 Settings: `mbtN` = learner.micro_batch_tokens N (the demo's is 4096; smaller micro-batches hold fewer
 activations at once; the gradient is the same); `ckptN` = the same with gradient checkpointing
-(recomputes activations in the backward; turns prompt sharing off).
+(recomputes activations in the backward; turns prompt sharing off); `loraN` = micro-batches of N
+with learner.lora (the config's rank and target modules: only the adapter has gradients and Adam
+moments).
 
 Last line: JSON with `results[setting]` = {peak_rss_mb, states_rss_mb, step_s_median}.
 """
@@ -34,7 +39,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 SETTINGS = {"mbt4096": ["learner.micro_batch_tokens=4096"], "mbt2048": ["learner.micro_batch_tokens=2048"],
             "mbt1024": ["learner.micro_batch_tokens=1024"],
-            "ckpt4096": ["learner.micro_batch_tokens=4096", "learner.gradient_checkpointing=true"]}
+            "ckpt4096": ["learner.micro_batch_tokens=4096", "learner.gradient_checkpointing=true"],
+            "lora2048": ["learner.micro_batch_tokens=2048", "learner.lora.enabled=true"]}
 
 
 def rss_mb() -> float:
@@ -44,7 +50,7 @@ def rss_mb() -> float:
     return 0.0
 
 
-def one(setting: str, steps: int) -> dict:
+def one(setting: str, steps: int, config: str, prompt_tokens: int, completion_tokens: int) -> dict:
     from procs import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -57,10 +63,10 @@ def one(setting: str, steps: int) -> dict:
     from toolrl.learner.trainer import Trainer
     from toolrl.models import resolve_model
 
-    cfg = load_config("configs/cpu_demo.yaml", [*SETTINGS[setting], "logging.wandb_mode=disabled"])
+    cfg = load_config(config, [*SETTINGS[setting], "logging.wandb_mode=disabled"])
     tr = Trainer(cfg, resolve_model(cfg.model.name))
     states = rss_mb()
-    batch = bench_learner.make_batch(24, 360, 250, group=4)
+    batch = bench_learner.make_batch(24, prompt_tokens, completion_tokens, group=4)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -75,10 +81,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--config", default="configs/cpu_demo.yaml")
+    ap.add_argument("--prompt-tokens", type=int, default=360)
+    ap.add_argument("--completion-tokens", type=int, default=250)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # run one setting in this process
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.steps)), flush=True)
+        result = one(args.one, args.steps, args.config, args.prompt_tokens, args.completion_tokens)
+        print(json.dumps(result), flush=True)
         return
     chosen = [s for s in args.settings.split(",") if s]
     unknown = [s for s in chosen if s not in SETTINGS]
@@ -88,7 +98,9 @@ def main() -> None:
     print(f"{len(chosen)} settings, {args.steps} steps each, {os.cpu_count()} cores ({' '.join(flags)})", flush=True)
     results = {}
     for s in chosen:
-        p = subprocess.run([sys.executable, __file__, "--one", s, "--steps", str(args.steps)], cwd=ROOT,
+        shape = ["--config", args.config, "--prompt-tokens", str(args.prompt_tokens),
+                 "--completion-tokens", str(args.completion_tokens)]
+        p = subprocess.run([sys.executable, __file__, "--one", s, "--steps", str(args.steps), *shape], cwd=ROOT,
                            capture_output=True, text=True, timeout=1800)
         if p.returncode != 0:
             raise RuntimeError(f"{s} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
@@ -96,7 +108,9 @@ def main() -> None:
         r = results[s]
         print(f"{s:>9}: peak {r['peak_rss_mb']:.0f} MB (states alone {r['states_rss_mb']:.0f} MB), "
               f"step {r['step_s_median']} s median of {r['step_s']}", flush=True)
-    print(json.dumps({"cpu_flags": flags, "steps": args.steps, "results": results}), flush=True)
+    print(json.dumps({"cpu_flags": flags, "config": args.config, "steps": args.steps,
+                      "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens,
+                      "results": results}), flush=True)
 
 
 if __name__ == "__main__":
