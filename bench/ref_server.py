@@ -4,15 +4,21 @@ the upload->batch queue overhead beyond compute. Not a test.
     .venv/bin/python bench/ref_server.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--samples 16]
 
 One run, side by side, alternating rounds (this machine's speed drifts):
-  forward : in this process, `model(input_ids, attention_mask).logits` over the same samples, packed
-            into the same length-sorted batches of at most `token_budget` padded tokens;
-  server  : `ref_server.py` in a subprocess (same model, dtype, threads). Groups are uploaded through
-            AsyncRefServerClient and pulled with RefServerClient.get_batch until every sample is back;
-            tokens/s = real tokens / wall time from the first upload to the last batch.
+  forward  : in this process, `model(input_ids, attention_mask).logits` over the same samples, packed
+             into the same length-sorted batches of at most `token_budget` padded tokens. It runs the
+             head at every position, the server only at completion positions: not the same work;
+  head at completion : the like-for-like baseline, in this process, in plain torch/transformers:
+             the model body, then the head, an fp32 log-softmax at the temperature and the gather at
+             completion positions only, `chunk` rows at a time, over the same batches: the server's
+             math without its queue, HTTP, encoding and thread;
+  server   : `ref_server.py` in a subprocess (same model, dtype, threads, temperature). Groups are uploaded
+             through AsyncRefServerClient and pulled with RefServerClient.get_batch until every sample is
+             back; tokens/s = real tokens / wall time from the first upload to the last batch.
 Then the latency trials: one short sample at a time, upload -> get_batch, minus the compute time the
 server reports for it (its window's forward pass): what the queue, HTTP and encoding add.
 
-The last line is JSON with `ratio_vs_forward` (median over rounds of server/forward tokens/s) and
+The last line is JSON with `ratio_vs_head_at_completion` (median over rounds of server/like-for-like
+tokens/s), `ratio_vs_forward` (the same against the full-logits forward, kept for the history) and
 `queue_latency_ms` (median overhead), plus the rest.
 """
 from __future__ import annotations
@@ -83,6 +89,45 @@ def bare_forward(model, samples: list[Sample], token_budget: int) -> float:
     return time.perf_counter() - t0
 
 
+def completion_forward(model, samples: list[Sample], token_budget: int, chunk_rows: int, temperature: float,
+                       pad_id: int) -> tuple[float, list[list[float]]]:
+    """Seconds for the server's math done plainly, and each sample's completion logprobs: the body's hidden
+    states, then head + fp32 log-softmax + gather only where a completion token is predicted. Plain torch
+    on purpose (no toolrl code beyond the batch plan, which fixes the shapes the server runs)."""
+    batches = plan_batches([s.num_tokens for s in samples], token_budget)
+    body, head = model.get_decoder(), model.get_output_embeddings()
+    out: list[list[float]] = [[] for _ in samples]
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for b in batches:
+            rows = [list(samples[i].prompt_ids) + list(samples[i].completion_ids) for i in b]
+            T = max(map(len, rows))
+            ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+            attn = torch.zeros((len(rows), T), dtype=torch.long)
+            for r, row in enumerate(rows):
+                ids[r, :len(row)] = torch.tensor(row)
+                attn[r, :len(row)] = 1
+            hidden = body(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+            # completion token j of a row is predicted by the hidden state at prompt_len + j - 1
+            r_idx, c_idx, lens = [], [], []
+            for r, i in enumerate(b):
+                p, c = len(samples[i].prompt_ids), len(samples[i].completion_ids)
+                r_idx += [r] * c
+                c_idx += range(p - 1, p + c - 1)
+                lens.append(c)
+            r_idx, c_idx = torch.tensor(r_idx), torch.tensor(c_idx)
+            h, tgt = hidden[r_idx, c_idx], ids[r_idx, c_idx + 1]
+            lp = []
+            for k in range(0, h.shape[0], chunk_rows):
+                logits = head(h[k:k + chunk_rows]).float()
+                if temperature != 1.0:  # as the server: no division at 1
+                    logits = logits / temperature
+                lp.append(logits.gather(-1, tgt[k:k + chunk_rows, None]).squeeze(-1) - logits.logsumexp(-1))
+            for i, vals in zip(b, torch.cat(lp).split(lens)):
+                out[i] = vals.tolist()
+    return time.perf_counter() - t0, out
+
+
 class Server:
     def __init__(self, args, port: int):
         self.url = f"http://127.0.0.1:{port}"
@@ -90,6 +135,7 @@ class Server:
         cmd = [sys.executable, str(ROOT / "ref_server.py"), "--port", str(port), "--log-level", "WARNING",
                "--set", f"model.name={args.model}", "--set", f"model.dtype={args.dtype}",
                "--set", "grpo.beta=0.04", "--set", f"ref_server.token_budget={args.token_budget}",
+               "--set", f"rollout.temperature={args.temperature}",
                "--set", f"ref_server.logprob_chunk={args.chunk}", "--set", "ref_server.max_queue_samples=4096"]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}  # the same threads as the bare forward
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -114,8 +160,8 @@ class Server:
     def upload(self, group: list[Sample]) -> None:
         self.loop.run_until_complete(self.aclient.upload(group))
 
-    def roundtrip(self, groups: list[list[Sample]]) -> float:
-        """Wall seconds from the first upload to the last sample back."""
+    def roundtrip(self, groups: list[list[Sample]]) -> tuple[float, list[Sample]]:
+        """Wall seconds from the first upload to the last sample back, and the samples back."""
         n = sum(len(g) for g in groups)
         got: list[Sample] = []
         t0 = time.perf_counter()
@@ -130,7 +176,7 @@ class Server:
         dt = time.perf_counter() - t0
         uploader.join()
         assert all(s.ref_logprobs is not None for s in got)
-        return dt
+        return dt, got
 
     def close(self) -> None:
         self.loop.run_until_complete(self.aclient.aclose())
@@ -156,6 +202,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--latency-trials", type=int, default=20)
+    ap.add_argument("--temperature", type=float, default=1.0, help="the server's rollout.temperature, both sides")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
                     help="torch threads on both sides (1 is steadier on a shared, oversubscribed machine)")
     args = ap.parse_args()
@@ -178,15 +225,30 @@ def main() -> None:
                  for s in groups[0][:2]]]
         server.roundtrip(warm)  # first forward pays one-time set-up on both sides
         bare_forward(model, [s for g in warm for s in g], args.token_budget)
-        fwd_tps, srv_tps, ratios = [], [], []
+        pad_id = int(getattr(model.config, "pad_token_id", None) or 0)  # the server's padding
+
+        def plain_lp(xs):
+            return completion_forward(model, xs, args.token_budget, args.chunk, args.temperature, pad_id)
+        plain_lp([s for g in warm for s in g])
+        fwd_tps, cmp_tps, srv_tps, ratios, cmp_ratios, diffs = [], [], [], [], [], []
         for r in range(args.rounds):
             f = tokens / bare_forward(model, samples, args.token_budget)
-            s = tokens / server.roundtrip(groups)
+            dt, mine = plain_lp(samples)
+            c = tokens / dt
+            dt, got = server.roundtrip(groups)
+            s = tokens / dt
+            # the same numbers, or the baseline is not the server's work (batches differ: bf16 rounding)
+            theirs = {(x.group_id, tuple(x.completion_ids)): x.ref_logprobs for x in got}
+            diffs.append(max(abs(a - b) for x, lp in zip(samples, mine)
+                             for a, b in zip(lp, theirs[(x.group_id, tuple(x.completion_ids))])))
             fwd_tps.append(f)
+            cmp_tps.append(c)
             srv_tps.append(s)
             ratios.append(s / f)
-            print(f"round {r + 1}: bare forward {f:8.1f} tok/s | ref server {s:8.1f} tok/s | ratio {s / f:.3f}",
-                  flush=True)
+            cmp_ratios.append(s / c)
+            print(f"round {r + 1}: full-logits forward {f:8.1f} tok/s | head at completion {c:8.1f} tok/s | "
+                  f"ref server {s:8.1f} tok/s | ratio {s / c:.3f} like-for-like, {s / f:.3f} vs full logits | "
+                  f"max |logprob diff| {diffs[-1]:.2e}", flush=True)
 
         overheads, computes, rtts, inside = [], [], [], []
         rng = random.Random(7)
@@ -216,12 +278,17 @@ def main() -> None:
           flush=True)
     print(f"server-side: reference {stats['reference']['tokens_per_s']:.1f} tok/s over compute time, padding "
           f"{100 * stats['reference']['padding_fraction']:.1f}% of batch slots", flush=True)
-    result = {"ratio_vs_forward": round(statistics.median(ratios), 3) if ratios else None,
+    result = {"ratio_vs_head_at_completion": round(statistics.median(cmp_ratios), 3) if cmp_ratios else None,
+              "ratio_vs_forward": round(statistics.median(ratios), 3) if ratios else None,
               "queue_latency_ms": round(p50, 2),
               "queue_latency_p90_ms": round(p90, 2), "queue_latency_max_ms": round(ov[-1] * 1e3, 2),
               "queue_latency_server_side_ms": round(statistics.median(inside) * 1e3, 2),
-              "forward_tok_s": [round(x, 1) for x in fwd_tps], "server_tok_s": [round(x, 1) for x in srv_tps],
-              "ratios": [round(x, 3) for x in ratios], "model": args.model, "dtype": args.dtype,
+              "forward_tok_s": [round(x, 1) for x in fwd_tps],
+              "head_at_completion_tok_s": [round(x, 1) for x in cmp_tps],
+              "server_tok_s": [round(x, 1) for x in srv_tps], "ratios": [round(x, 3) for x in ratios],
+              "ratios_head_at_completion": [round(x, 3) for x in cmp_ratios],
+              "logprob_max_abs_diff": float(f"{max(diffs):.3g}") if diffs else None, "temperature": args.temperature,
+              "model": args.model, "dtype": args.dtype,
               "samples": len(samples), "tokens": tokens, "completion_tokens": completion,
               "token_budget": args.token_budget, "logprob_chunk": args.chunk,
               "padding_fraction": stats["reference"]["padding_fraction"], "threads": args.threads,
