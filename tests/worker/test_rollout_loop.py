@@ -213,7 +213,7 @@ def test_a_code_group_is_scored_by_its_tests_with_a_teacher_trace(tool, tmp_path
 
     url = tool().client.url
     fixture = Path(__file__).parent.parent / "fixtures" / "mbpp_sample.jsonl"
-    cfg = load_config("configs/cpu_code.yaml", [f"executor.url={url}", f"data.path=mbpp:{fixture}",
+    cfg = load_config("configs/cpu_code.yaml", [f"executor.url={url}", "data.source=code", f"data.path=mbpp:{fixture}",
                                                 "data.train_fraction=1.0", "rollout.group_size=3",
                                                 "teacher.traces_per_group=1"])
     answers = {"right": "def square_perimeter(a):\n    return 4 * a",
