@@ -528,6 +528,56 @@ def test_two_nodes_of_one_rank_step_as_one_node_of_two_ranks(one_node_two_ranks,
         assert torch.allclose(a[n], b[n], rtol=0, atol=1e-6), n  # ...to the same weights
 
 
+MINI_MAIN = """
+import json, os, sys
+from pathlib import Path
+sys.path[:0] = [os.getcwd(), "tests", "tests/learner"]
+from safetensors.torch import save_file
+from test_trainer import MINI_SETS, batch, make_cfg
+from toolrl.models import resolve_model
+from toolrl.learner.trainer import Trainer
+
+out = Path(sys.argv[1])
+tr = Trainer(make_cfg(*MINI_SETS), resolve_model("tiny-random"))
+m = [tr.train_step(batch(10 + 10 * s + tr.rank, n_groups=1 if tr.rank == 0 else 3)) for s in range(2)]
+if tr.rank == 0:
+    save_file(dict(tr.export_state()), str(out / "weights.safetensors"))
+(out / f"rank{tr.rank}.json").write_text(json.dumps({"steps": [x["optimizer_steps"] for x in m],
+                                                     "applied": [x["step_applied"] for x in m]}))
+tr.close()
+"""
+MINI_SETS = ("learner.micro_batch_tokens=64", "learner.zero_stage=2", "grpo.mini_batches=2",
+             "grpo.updates_per_batch=2", "grpo.tis_cap=2.0", "learner.lr=5e-3")
+
+
+def test_two_ranks_cut_unequal_shares_into_the_same_mini_batches(tmp_path, monkeypatch):
+    """Several updates per batch in mini-batches on two ranks with unequal shares (1 group against
+    3): the rank with one group has nothing for the second mini-batch, yet every optimizer step is
+    collective, so it joins the other's steps with empty pieces (before, it took 2 steps to the
+    other's 4 and the run hung). Mini-batch k is the union of the ranks' k-th pieces, so the weights
+    must be those of one rank stepping on those unions, pi_old and the truncated IS weight included."""
+    from safetensors.torch import load_file
+
+    from toolrl.learner.batching import split_mini_batches
+
+    ranks = launch_ranks(tmp_path, nnodes=1, script=MINI_MAIN, timeout_s=150)
+    assert ranks[0]["steps"] == ranks[1]["steps"] == [4, 4] and ranks[0]["applied"] == [1.0, 1.0]
+    one = make_trainer(*MINI_SETS)
+    start = dict(one.export_state())
+    for s in range(2):
+        cuts = [split_mini_batches(share, 2) for share in (batch(10 + 10 * s, n_groups=1),
+                                                             batch(11 + 10 * s, n_groups=3))]
+        assert [len(c) for c in cuts] == [1, 2]  # the premise: rank 0 has no second piece
+        unions = [cuts[0][0] + cuts[1][0], cuts[1][1]]
+        monkeypatch.setattr("toolrl.learner.trainer.split_mini_batches", lambda samples, n: list(unions))
+        one.train_step([x for u in unions for x in u])
+    two = load_file(str(tmp_path / "weights.safetensors"))
+    for n, t1 in one.export_state():
+        update = (t1 - start[n]).abs().max().item()
+        assert update > 1e-4, n
+        assert (t1 - two[n]).abs().max().item() <= 1e-2 * update, n
+
+
 def test_zero3_steps_as_zero2_does_and_exports_whole_weights():
     """ZeRO-3 partitions the parameters: a step must still match ZeRO-2's, and export_state (what a
     sync pushes and a checkpoint exports) must gather whole tensors, not a rank's empty shard."""

@@ -149,17 +149,27 @@ class Trainer:
                 if roles[id(s)][Role.GRPO] and s.stop_reason in TRUNCATED:
                     roles[id(s)] = (False, *roles[id(s)][1:])
                     masked += 1
+        if not samples:
+            raise ValueError("train_step needs at least one sample on every rank")
         minis = split_mini_batches(samples, g.mini_batches)
+        # Every optimizer step and every forward is collective across ranks (ZeRO reduces gradients
+        # inside each backward and gathers parameters in each ZeRO-3 forward), so the ranks agree on
+        # the number of mini-batches: mini-batch k is the union of every rank's k-th piece, and a rank
+        # whose share cut into fewer (fewer groups) joins the others' steps with empty pieces.
+        n_minis = int(self._all_reduce(len(minis), "max"))
+        minis += [[] for _ in range(n_minis - len(minis))]
+        filler = samples[0]  # what an empty piece runs, zero-weighted, to join the collectives
         corrected = g.tis_cap is not None or g.vllm_importance_sampling_correction
-        self._old = {} if corrected and (g.updates_per_batch > 1 or len(minis) > 1) else None
-        if self._old is not None and len(minis) > 1:
-            self._fill_old([s for mini in minis[1:] for s in mini if self._contributes(s, roles[id(s)])], roles)
+        self._old = {} if corrected and (g.updates_per_batch > 1 or n_minis > 1) else None
+        if self._old is not None and n_minis > 1:
+            self._fill_old([s for mini in minis[1:] for s in mini if self._contributes(s, roles[id(s)])], roles,
+                           filler)
         sums: dict[str, float] = defaultdict(float)
         sums["ratio_max"], sums["ratio_min"] = -math.inf, math.inf
         done = {"micro": 0, "skipped_micro": 0, "steps": 0, "applied": 0, "no_signal": 0}
         for _ in range(g.updates_per_batch):
             for mini in minis:
-                self._optimizer_step(mini, roles, sums, done)
+                self._optimizer_step(mini, roles, sums, done, filler)
         self._old = None
         self.step += 1
         self.samples_seen += int(self._all_reduce(len(samples), "sum"))  # every rank's share
@@ -168,10 +178,11 @@ class Trainer:
         out["truncated_masked"] = masked
         return out
 
-    def _optimizer_step(self, samples: list[Sample], roles: dict, sums: dict, done: dict) -> None:
+    def _optimizer_step(self, samples: list[Sample], roles: dict, sums: dict, done: dict, filler: Sample) -> None:
         """One optimizer step on `samples`, accumulated over micro-batches, normalised by the counts of
         these samples on every rank together (ZeRO averages gradients across ranks, so each rank's
-        loss is scaled by the world size: the step is the one the union of the ranks' samples gives)."""
+        loss is scaled by the world size: the step is the one the union of the ranks' samples gives).
+        `samples` may be empty on some ranks: `filler` then runs zero-weighted in each backward."""
         counts = [BatchCounts(int(self._all_reduce(sum(1 for s in samples if roles[id(s)][r]), "sum")),
                               int(self._all_reduce(sum(sum(s.loss_mask) for s in samples if roles[id(s)][r]), "sum")))
                   for r in Role]
@@ -188,7 +199,7 @@ class Trainer:
         skipped = 0
         for k in range(n):
             pad = k >= len(mbs)
-            mb = mbs[0] if pad else mbs[k]
+            mb = mbs[k] if not pad else mbs[0] if mbs else [filler]
             self.engine.set_gradient_accumulation_boundary(k == n - 1)
             loss, m = self._micro_loss(mb, counts, roles)
             if not self._all_reduce(float(torch.isfinite(loss)), "min"):
@@ -235,16 +246,17 @@ class Trainer:
                                    chunk_rows=lc.logprob_chunk, with_entropy=True)
 
     @torch.no_grad()
-    def _fill_old(self, samples: list[Sample], roles: dict) -> None:
+    def _fill_old(self, samples: list[Sample], roles: dict, filler: Sample) -> None:
         """pi_old of `samples` (their policy tokens' logprobs under the weights before any update of
         this batch), in one no-grad pass."""
         device = next(self.module.parameters()).device
         mbs = micro_batches([s for s in samples if roles[id(s)][Role.GRPO]], self.cfg.learner.micro_batch_tokens,
                             self.share_prompts)
-        # every rank runs as many forwards (ZeRO-3 gathers parameters inside each): pad with the first
-        n = int(self._all_reduce(len(mbs), "max")) if mbs else 0
+        # every rank runs as many forwards (ZeRO-3 gathers parameters inside each), a rank with none
+        # of its own included: pad with its first, or with `filler`
+        n = int(self._all_reduce(len(mbs), "max"))
         for k in range(n):
-            mb = mbs[k] if k < len(mbs) else mbs[0]
+            mb = mbs[k] if k < len(mbs) else mbs[0] if mbs else [filler]
             logp, _ = self._logprobs(mb, pack_samples(mb, pad_id=self.pad_id, device=device))
             if k < len(mbs):
                 self._keep_old(mb, logp)
