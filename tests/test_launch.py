@@ -92,6 +92,20 @@ def test_samples_carry_masked_tool_output_and_advancing_versions(run):
     assert max(by_step[1]) == 0
 
 
+def test_on_policy_steps_have_a_ratio_of_one(run):
+    """fp32 and max_staleness 0: every step trains on samples of the policy it holds (staleness 0,
+    counted against that policy, not the one it sends after the step), so the ratio of
+    the learner's logprobs to the sampler's (vLLM's) is 1 up to float error at every trained token. A
+    wrong temperature, a shifted token or a mask off by one moves it far more than 1e-4."""
+    run_dir, _ = run
+    rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["staleness_mean"] == 0 and r["staleness/0"] > 0, r  # against the policy the step held
+        assert abs(r["ratio_mean"] - 1) < 1e-4, r
+        assert abs(r["ratio_max"] - 1) < 1e-3 and abs(r["ratio_min"] - 1) < 1e-3, r
+
+
 def test_every_sample_taken_in_is_trained_once_or_accounted_for(run):
     """Exactly once: no sample id in the learner's dump twice, the dump is every sample the learner
     counted, and the reference server's books balance (taken in = delivered + dropped + still held)

@@ -167,6 +167,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
             pass
         batch = got.samples
         t1 = time.time()
+        held = trainer.version  # the policy this step trains: samples of it are on-policy (staleness 0)
         metrics = trainer.train_step(batch, w_teacher=teacher_weight.value)
         t2 = time.time()
         synced = {}
@@ -176,11 +177,11 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
             if rank0:
                 synced = sync.push(named, trainer.version)
         t3 = time.time()
-        own = batch_stats(batch, trainer.version)
+        own = batch_stats(batch, held)
         # every rank decays the teacher weight by the same accuracy: that of the whole batch
         teacher_weight.update(trainer.all_mean(own["accuracy"], sum(s.source == "policy" for s in batch)))
         whole = whole_batch(batch, world)  # rank 0 logs every rank's samples, not only its own share
-        metrics.update(batch_stats(whole, trainer.version) if rank0 else own, dynamic_sampling_dropped=got.dropped,
+        metrics.update(batch_stats(whole, held) if rank0 else own, dynamic_sampling_dropped=got.dropped,
                        samples_drawn=got.drawn)
         if cfg.learner.checkpoint_every and trainer.step % cfg.learner.checkpoint_every == 0:
             checkpoint()
