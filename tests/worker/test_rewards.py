@@ -106,3 +106,32 @@ def test_code_rewards_read_the_test_results():
     assert score(comp(GOOD), "1234", RewardConfig(weights={"tests": 1.0}))[0]["tests"] == 0.0  # math: no tests
     assert score(comp(GOOD), spec, RewardConfig(weights={"tests": 1.0}))[0]["tests"] == 0.0  # the grading decides
 
+
+
+@pytest.mark.parametrize("std", ["population", "sample"])
+def test_the_agent_scores_a_group_with_the_configured_std(std):
+    """grpo.std reaches the worker: Agent.score, where a group's advantages are made, divides by the
+    population std (n) or the sample std (n - 1, as TRL), each checked against the formula."""
+    import math
+
+    from toolrl.config import load_config
+    from toolrl.tasks import Problem
+    from toolrl.worker.agent import Agent
+    from toolrl.worker.rollout import Rollout
+
+    cfg = load_config("configs/cpu_tiny.yaml", [f"grpo.std={std}", "rewards.weights={correct: 1.0}",
+                                                "logging.wandb_mode=disabled"])
+    agent = Agent(cfg, "w0", engine=object())  # scoring needs no engine
+    answers = ["7", "7", "3", "7"]
+    rolls = []
+    for a in answers:
+        r = Rollout(prompt_ids=[1, 2])
+        ids = agent.tokenizer.encode(f"x\n</think>\n<answer>\\boxed{{{a}}}</answer>")
+        r.add("model", ids, [-1.0] * len(ids), version=0)
+        rolls.append(r)
+    samples = agent.score(Problem(id="p", question="q", answer="7"), rolls, "g", version=0)
+    rewards = [s.reward for s in samples]
+    assert rewards == [1.0, 1.0, 0.0, 1.0]
+    n, mean = len(rewards), sum(rewards) / len(rewards)
+    sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1 if std == "sample" else n))
+    assert [s.advantage for s in samples] == pytest.approx([(r - mean) / (sd + 1e-4) for r in rewards])
