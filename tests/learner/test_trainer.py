@@ -569,7 +569,7 @@ def test_two_ranks_cut_unequal_shares_into_the_same_mini_batches(tmp_path, monke
                                                              batch(11 + 10 * s, n_groups=3))]
         assert [len(c) for c in cuts] == [1, 2]  # the premise: rank 0 has no second piece
         unions = [cuts[0][0] + cuts[1][0], cuts[1][1]]
-        monkeypatch.setattr("toolrl.learner.trainer.split_mini_batches", lambda samples, n: list(unions))
+        monkeypatch.setattr("toolrl.learner.trainer.split_mini_batches", lambda samples, n, u=unions: list(u))
         one.train_step([x for u in unions for x in u])
     two = load_file(str(tmp_path / "weights.safetensors"))
     for n, t1 in one.export_state():
