@@ -107,7 +107,6 @@ def test_code_rewards_read_the_test_results():
     assert score(comp(GOOD), spec, RewardConfig(weights={"tests": 1.0}))[0]["tests"] == 0.0  # the grading decides
 
 
-
 @pytest.mark.parametrize("std", ["population", "sample"])
 def test_the_agent_scores_a_group_with_the_configured_std(std):
     """grpo.std reaches the worker: Agent.score, where a group's advantages are made, divides by the

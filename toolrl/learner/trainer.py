@@ -182,7 +182,8 @@ class Trainer:
         """One optimizer step on `samples`, accumulated over micro-batches, normalised by the counts of
         these samples on every rank together (ZeRO averages gradients across ranks, so each rank's
         loss is scaled by the world size: the step is the one the union of the ranks' samples gives).
-        `samples` may be empty on some ranks: `filler` then runs zero-weighted in each backward."""
+        A rank with fewer micro-batches than another (or none) pads with `filler`, one sample run
+        zero-weighted, so every rank joins every backward."""
         counts = [BatchCounts(int(self._all_reduce(sum(1 for s in samples if roles[id(s)][r]), "sum")),
                               int(self._all_reduce(sum(sum(s.loss_mask) for s in samples if roles[id(s)][r]), "sum")))
                   for r in Role]
@@ -193,13 +194,13 @@ class Trainer:
         done["no_signal"] += len(samples) - len(trained)
         mbs = micro_batches(trained, self.cfg.learner.micro_batch_tokens, self.share_prompts)
         # ZeRO-2 reduces gradients across ranks inside every backward pass, so all ranks run the same
-        # number of them (a rank with fewer micro-batches adds zero-weighted copies of its first)
+        # number of them (a rank with fewer micro-batches adds zero-weighted passes of `filler`)
         # and drop a micro-step together when any rank's loss is not finite.
         n = int(self._all_reduce(len(mbs), "max"))
         skipped = 0
         for k in range(n):
             pad = k >= len(mbs)
-            mb = mbs[k] if not pad else mbs[0] if mbs else [filler]
+            mb = [filler] if pad else mbs[k]
             self.engine.set_gradient_accumulation_boundary(k == n - 1)
             loss, m = self._micro_loss(mb, counts, roles)
             if not self._all_reduce(float(torch.isfinite(loss)), "min"):
@@ -253,10 +254,10 @@ class Trainer:
         mbs = micro_batches([s for s in samples if roles[id(s)][Role.GRPO]], self.cfg.learner.micro_batch_tokens,
                             self.share_prompts)
         # every rank runs as many forwards (ZeRO-3 gathers parameters inside each), a rank with none
-        # of its own included: pad with its first, or with `filler`
+        # of its own included: pad with the one-sample `filler`
         n = int(self._all_reduce(len(mbs), "max"))
         for k in range(n):
-            mb = mbs[k] if k < len(mbs) else mbs[0] if mbs else [filler]
+            mb = mbs[k] if k < len(mbs) else [filler]
             logp, _ = self._logprobs(mb, pack_samples(mb, pad_id=self.pad_id, device=device))
             if k < len(mbs):
                 self._keep_old(mb, logp)
