@@ -321,6 +321,9 @@ class LearnerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after the linear warmup
+    # What the decay spans: learner.steps, or "time": the larger of steps done / learner.steps and
+    # training time / time_budget_s, so a run that the budget stops ends its decay on any host.
+    lr_decay_over: Literal["steps", "time"] = "steps"
     batch_samples: int = Field(16, ge=1)
     batch_tokens: int = Field(16384, ge=64)
     # A step's batch is split into micro-batches of at most this many padded tokens whose gradients
@@ -377,6 +380,8 @@ class LearnerConfig(Section):
                                               or self.sync_delta == "on"):
             raise ValueError("learner.sync_fanout, sync_max_mb_s and sync_delta: on apply to sync_transport: "
                              "http only")
+        if self.lr_decay_over == "time" and self.time_budget_s is None:
+            raise ValueError("learner.lr_decay_over: time needs learner.time_budget_s")
         return self
 
 

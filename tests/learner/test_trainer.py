@@ -167,6 +167,32 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):
         assert torch.allclose(x, y, rtol=0, atol=1e-6)
 
 
+def test_the_lr_decay_can_span_the_time_budget():
+    """lr_decay_over "time": progress is the larger of steps done and the budget's fraction used, and
+    the step after set_time_used trains at that LR (Adam's first update moves a weight by the LR)."""
+    from toolrl.config import ConfigError
+    from toolrl.learner.schedules import lr_lambda
+
+    sets = ("learner.steps=100", "learner.lr_schedule=linear", "learner.time_budget_s=100",
+            "learner.lr_decay_over=time")
+    used = [0.0]
+    f = lr_lambda(make_cfg(*sets), lambda: used[0])
+    assert f(10) == pytest.approx(0.9)  # steps ahead of time
+    used[0] = 0.5
+    assert f(10) == pytest.approx(0.5) and f(60) == pytest.approx(0.4)
+    used[0] = 1.2
+    assert f(10) == 0.0  # past the budget: the decay is over, never negative
+    assert lr_lambda(make_cfg(*sets[:-1]), lambda: 0.5)(10) == pytest.approx(0.9)  # over steps: time ignored
+    with pytest.raises(ConfigError, match="needs learner.time_budget_s"):
+        make_cfg("learner.lr_decay_over=time")
+    tr = make_trainer(*sets)
+    before = {n: p.detach().clone() for n, p in tr.module.named_parameters()}
+    tr.set_time_used(0.75)
+    out = tr.train_step(batch(40))
+    moved = max((p.detach() - before[n]).abs().max().item() for n, p in tr.module.named_parameters())
+    assert moved == pytest.approx(2e-3 * 0.25, rel=1e-2) and out["lr"] == pytest.approx(2e-3 * 0.25)
+
+
 def test_the_teacher_weight_decays_with_the_accuracy_ema():
     from toolrl.learner.schedules import TeacherWeight
 

@@ -3,15 +3,19 @@ budget. Each keeps what a resumed run needs in its checkpoint (the LR lives in D
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from toolrl.config import Config
 
 
-def lr_lambda(cfg: Config):
+def lr_lambda(cfg: Config, time_used: Callable[[], float] = lambda: 0.0):
     """The LR factor at an optimizer step. Warmup and decay count learner steps (batches); a batch
-    takes updates_per_batch * mini_batches optimizer steps, all at its learner step's LR."""
+    takes updates_per_batch * mini_batches optimizer steps, all at its learner step's LR. With
+    learner.lr_decay_over "time", the decay's progress is at least `time_used()`, the fraction of
+    the time budget used when the batch's step began."""
     warm, total, kind = cfg.learner.warmup_steps, max(1, cfg.learner.steps), cfg.learner.lr_schedule
     per_batch = cfg.grpo.updates_per_batch * cfg.grpo.mini_batches
+    by_time = cfg.learner.lr_decay_over == "time"
 
     def f(opt_step: int) -> float:
         step = opt_step // per_batch
@@ -19,7 +23,7 @@ def lr_lambda(cfg: Config):
             return (step + 1) / warm
         if kind == "constant":
             return 1.0
-        progress = min(1.0, (step - warm) / max(1, total - warm))
+        progress = min(1.0, max((step - warm) / max(1, total - warm), time_used() if by_time else 0.0))
         return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
     return f
 

@@ -63,7 +63,9 @@ class Trainer:
                                                      target_modules=lc.lora.target_modules, task_type="CAUSAL_LM"))
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        self.time_used = 0.0  # of learner.time_budget_s, for lr_decay_over "time" (set_time_used)
+        self._lr_factor = lr_lambda(cfg, lambda: self.time_used)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,  # we mark the accumulation boundary ourselves
@@ -121,6 +123,17 @@ class Trainer:
         of one rank (a test) may build another Trainer."""
         if self.world_size > 1:
             torch.distributed.destroy_process_group()
+
+    def set_time_used(self, fraction: float) -> None:
+        """The fraction of the time budget used as a step begins (the ranks' largest): with
+        learner.lr_decay_over "time" the coming step's LR follows it, and the scheduler's own
+        steps after each optimizer step see the same value."""
+        self.time_used = self._all_reduce(fraction, "max")
+        if self.cfg.learner.lr_decay_over == "time" and self.scheduler is not None:
+            factor = self._lr_factor(self.scheduler.last_epoch)
+            for group, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.base_lrs):
+                group["lr"] = base * factor
+            self.scheduler._last_lr = [group["lr"] for group in self.scheduler.optimizer.param_groups]
 
     def all_mean(self, x: float, weight: float) -> float:
         """The `weight`-weighted mean of x over the ranks, the same on every rank (e.g. a batch's
