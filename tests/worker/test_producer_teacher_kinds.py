@@ -37,7 +37,7 @@ class FakeAgent:
     def prompt_ids(self, question):
         return TOK.encode(question, add_special_tokens=False)
 
-    async def rollouts(self, prompt, gid, n, versions=None):
+    async def rollouts(self, prompt, gid, n, versions=None, seed_key=None):
         return [SimpleNamespace(stop_reason="stop", generated=1, tool_calls=[], interruptions=0) for _ in range(n)]
 
     async def run_tests(self, problem, rolls):

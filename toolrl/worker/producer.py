@@ -167,12 +167,14 @@ class Producer:
         place in the stream (from `next_problem`); a problem from elsewhere seeds the teacher by its id."""
         a, restores = self.agent, self._restores
         gid, prompt = a.group_id(problem.id), a.prompt_ids(problem.question)
+        key = f"{a.name}:{problem.id if index is None else index}"  # the sampler's seeds (rollout.seeded)
         if a.gate is not None and self.cfg.rollout.interruptible:  # updates cut in; versions per token
             version = a.gate.version
-            rolls = await a.rollouts(prompt, gid, self.cfg.rollout.group_size, a.gate)
+            rolls = await a.rollouts(prompt, gid, self.cfg.rollout.group_size, a.gate, seed_key=key)
         else:
             async with a.gated() as version:
-                rolls = await a.rollouts(prompt, gid, self.cfg.rollout.group_size, FixedVersion(version))
+                rolls = await a.rollouts(prompt, gid, self.cfg.rollout.group_size, FixedVersion(version),
+                                         seed_key=key)
         if any(r.stop_reason == "abort" for r in rolls):
             self.stats.aborted_groups += 1
             return None

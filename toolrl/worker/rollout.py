@@ -15,6 +15,7 @@ several versions, and `version_runs` says which token came from which.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass, field
 from typing import AsyncContextManager, Protocol
 
@@ -29,7 +30,8 @@ TRUNCATION_MARK = "\n...[output truncated]\n"
 
 
 class Generator(Protocol):
-    async def generate(self, ids: list[int], max_tokens: int, request_id: str) -> GenOut: ...
+    async def generate(self, ids: list[int], max_tokens: int, request_id: str,
+                       seed: int | None = None) -> GenOut: ...
 
 
 class Tool(Protocol):
@@ -121,9 +123,16 @@ def resumable(tokenizer, before: list[int], ids: list[int], stops: list[str]) ->
     return keep
 
 
+def request_seed(*key: object) -> int:
+    """A sampling seed from a key (rollout.seeded): the same in every process and every run."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, key)).encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
 async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: list[int], cfg: RolloutConfig,
-                      request_id: str, pending_code: str | None = None, versions: Versions | None = None) -> Rollout:
-    """One sample. `versions`: the gate's segments for an interruptible rollout; default one version (0)."""
+                      request_id: str, pending_code: str | None = None, versions: Versions | None = None,
+                      seed: int | None = None) -> Rollout:
+    """One sample. `versions`: the gate's segments for an interruptible rollout; default one version (0).
+    `seed`: each model segment is sampled with a seed derived from it and the segment's place."""
     r = Rollout(prompt_ids=list(prompt_ids))
     versions = versions or FixedVersion()
     stops = stop_strings(cfg.stop_marker, cfg.stop_at_program_close)
@@ -160,8 +169,9 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
                 r.stop_reason = "length" if cfg.max_new_tokens - r.generated <= 0 else "max_total_tokens"
                 break
             rid = f"{request_id}.{len(r.segments)}" + (f".r{r.interruptions}" if r.interruptions else "")
+            seeded = {} if seed is None else {"seed": request_seed(seed, len(r.segments), r.interruptions)}
             async with versions.segment(rid) as seg:
-                out = await gen.generate(r.prompt_ids + r.completion_ids, budget, rid)
+                out = await gen.generate(r.prompt_ids + r.completion_ids, budget, rid, **seeded)
             if seg.interrupted and out.finish_reason == "abort":  # a weight update: go on under the new one
                 keep = resumable(tokenizer, r.completion_ids[run_start:], out.token_ids, stops)
                 if keep:
