@@ -82,3 +82,22 @@ def test_the_end_of_run_probe_sends_the_rollout_token_to_trusted_workers_only(tm
     assert seen == []
     assert [(r["id"], r["policy_version"]) for r in rows] == [("squatter", 3)]
     assert "untrusted" in rows[0]["probe_skipped"]
+
+
+def test_the_reference_server_knows_a_version_before_any_worker_loads_it():
+    """A worker can upload a sample of the new version as soon as it has loaded it (an interrupted
+    rollout resumes at once), and the reference server refuses samples newer than the version it
+    knows: the version is announced before the first worker gets it, even if every push fails."""
+    registry = FixedRegistry(WORKERS[:1])
+    seen = []
+
+    class Watching(Recorder):
+        def push(self, worker, named, version):
+            seen.append(list(registry.versions))
+            return {"error": "down"} if version == 2 else super().push(worker, named, version)
+
+    cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "rollout.token=secret"])
+    s = WeightSync(cfg, registry, transport=Watching())
+    s.push([], 1)
+    s.push([], 2)
+    assert seen == [[1], [1, 2]] and registry.versions == [1, 2]

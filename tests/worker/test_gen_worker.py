@@ -116,6 +116,15 @@ def test_sampler_logprobs_match_a_transformers_forward(samples, hf):
     assert sum(diffs) / len(diffs) < 0.01 and max(diffs) < 0.15, (sum(diffs) / len(diffs), max(diffs))
 
 
+def _announce(stack, version):
+    """As the learner does before it pushes a version: the reference server refuses samples newer
+    than the version it knows, and the worker can finish one as soon as it has loaded."""
+    from toolrl.refserver.client import RefServerClient
+
+    with RefServerClient(stack["ref"]) as ref:
+        ref.set_version(version)
+
+
 def _probe(url, prompt):
     r = httpx.post(f"{url}/probe", json={"prompt_ids": prompt, "max_tokens": 12, "seed": 1}, timeout=300)
     assert r.status_code == 200, r.text
@@ -143,6 +152,7 @@ def test_update_weights_changes_logprobs_to_the_new_weights(stack, samples, hf):
         for layer in hf.model.layers:
             layer.self_attn.o_proj.weight.add_(torch.randn_like(layer.self_attn.o_proj.weight) * 0.02)
     named = [(n, t.detach().clone()) for n, t in hf.state_dict().items()]  # as the learner sends: lm_head too
+    _announce(stack, 1)
     answer = push_weights(url, named, version=1, bucket_mb=16, timeout_s=600)
     assert answer["loaded"] and answer["version"] == 1
     after = _probe(url, prompt)
@@ -189,10 +199,10 @@ def test_an_update_interrupts_rollouts_which_go_on_exactly_under_the_new_weights
             for i in range(len(hf.model.layers)):
                 w = new[f"model.layers.{i}.mlp.down_proj.weight"]
                 w.add_(torch.randn_like(w) * 0.05)
+            ref.set_version(v + attempt)
             answer = push_weights(url, list(new.items()), version=v + attempt, bucket_mb=16, timeout_s=600)
             assert answer["loaded"] and answer["version"] == v + attempt, answer
             weights[v + attempt] = new
-            ref.set_version(v + attempt)
             if answer["interrupted"] >= 1:
                 break
         assert answer["interrupted"] >= 1 and answer["drain_s"] < 2, answer
@@ -267,6 +277,7 @@ def test_an_update_cut_off_part_way_holds_rollouts_until_a_whole_one_loads(stack
     named = [(n, t.detach().clone()) for n, t in hf.state_dict().items()]
     buckets = bucketize(named, 16 << 20)
     v = httpx.get(f"{url}/health").json()["policy_version"] + 1
+    _announce(stack, v)
     headers = {"Content-Type": CONTENT_TYPE}
     r = httpx.post(f"{url}/update_weights", content=encode_weight_bucket(buckets[0], v, 0, len(buckets)),
                    headers=headers, timeout=60)
@@ -309,6 +320,7 @@ def test_weights_by_broadcast_on_a_process_group(stack, hf):
     v = httpx.get(f"{url}/health").json()["policy_version"] + 1
     group = LearnerGroup({"id": "w-test", "url": url}, "127.0.0.1", timeout_s=120)
     assert group.backend == "gloo"
+    _announce(stack, v + 1)  # both versions pushed below
     answer = group.push(named, v)
     assert answer["loaded"] and answer["version"] == v
     prompt = load_tokenizer(stack["cfg"].model.name).encode("The capital of France is")

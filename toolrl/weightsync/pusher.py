@@ -97,6 +97,10 @@ class WeightSync:
         workers = self.trusted(self.ref.workers() if workers is None else workers)
         egress = getattr(self.transport, "egress", None)
         sent0 = egress.sent if egress is not None else 0
+        # Announced first: a worker can finish a rollout under `version` as soon as it has loaded it
+        # (an interrupted one resumes at once), and the reference server refuses samples newer
+        # than the version it knows.
+        self.ref.set_version(version)
         fresh = self._prepare(named, version, workers)
         try:
             deltas = fresh or []
@@ -123,7 +127,6 @@ class WeightSync:
                 ok[w["id"]] = a
                 self.failures.pop(w["id"], None)
                 self.pushed[(w["id"], w["url"])] = version
-        self.ref.set_version(version)
         self.last = {"version": version, "workers_ok": len(ok), "workers_failed": len(failed),
                      "sync_s": time.time() - t0,
                      "reload_s_max": max((a.get("reload_s", 0.0) for a in ok.values()), default=0.0),
