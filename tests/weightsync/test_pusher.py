@@ -86,7 +86,7 @@ def test_the_end_of_run_probe_sends_the_rollout_token_to_trusted_workers_only(tm
 
 def test_the_reference_server_knows_a_version_before_any_worker_loads_it():
     """A worker can upload a sample of the new version as soon as it has loaded it (an interrupted
-    rollout resumes at once), and the reference server refuses samples newer than the version it
+    rollout resumes at once), and the reference server holds back samples newer than the version it
     knows: the version is announced before the first worker gets it, even if every push fails."""
     registry = FixedRegistry(WORKERS[:1])
     seen = []

@@ -98,8 +98,8 @@ class WeightSync:
         egress = getattr(self.transport, "egress", None)
         sent0 = egress.sent if egress is not None else 0
         # Announced first: a worker can finish a rollout under `version` as soon as it has loaded it
-        # (an interrupted one resumes at once), and the reference server refuses samples newer
-        # than the version it knows.
+        # (an interrupted one resumes at once), and the reference server holds back (503) samples
+        # newer than the version it knows.
         self.ref.set_version(version)
         fresh = self._prepare(named, version, workers)
         try:
