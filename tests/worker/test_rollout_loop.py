@@ -33,7 +33,7 @@ class Script:
         self.segments = list(segments)
         self.prompts = []
 
-    async def generate(self, ids, max_tokens, request_id):
+    async def generate(self, ids, max_tokens, request_id, seed=None):
         self.prompts.append(list(ids))
         text, stop = self.segments.pop(0)
         toks = TOK.encode(text, add_special_tokens=False)
@@ -71,7 +71,7 @@ class ByProblem:
     def __init__(self, problems, answer):
         self.problems, self.answer, self.requests = problems, answer, []
 
-    async def generate(self, ids, max_tokens, request_id):
+    async def generate(self, ids, max_tokens, request_id, seed=None):
         text = TOK.decode(ids)
         i = next(i for i, p in enumerate(self.problems) if p.question in text)
         self.requests.append(request_id)

@@ -167,7 +167,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
             pass
         batch = got.samples
         t1 = time.time()
-        if cfg.learner.time_budget_s:
+        if cfg.learner.lr_decay_over == "time":  # the config requires a time budget then
             trainer.set_time_used(elapsed() / cfg.learner.time_budget_s)
         held = trainer.version  # the policy this step trains: samples of it are on-policy (staleness 0)
         metrics = trainer.train_step(batch, w_teacher=teacher_weight.value)

@@ -125,15 +125,14 @@ class Trainer:
             torch.distributed.destroy_process_group()
 
     def set_time_used(self, fraction: float) -> None:
-        """The fraction of the time budget used as a step begins (the ranks' largest): with
-        learner.lr_decay_over "time" the coming step's LR follows it, and the scheduler's own
-        steps after each optimizer step see the same value."""
+        """learner.lr_decay_over "time": the fraction of the time budget used as a step begins (the
+        ranks' largest). The coming step's LR follows it at once, and the scheduler's own steps
+        after each optimizer step see the same value."""
         self.time_used = self._all_reduce(fraction, "max")
-        if self.cfg.learner.lr_decay_over == "time" and self.scheduler is not None:
-            factor = self._lr_factor(self.scheduler.last_epoch)
-            for group, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.base_lrs):
-                group["lr"] = base * factor
-            self.scheduler._last_lr = [group["lr"] for group in self.scheduler.optimizer.param_groups]
+        factor = self._lr_factor(self.scheduler.last_epoch)
+        for group, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * factor
+        self.scheduler._last_lr = [group["lr"] for group in self.scheduler.optimizer.param_groups]
 
     def all_mean(self, x: float, weight: float) -> float:
         """The `weight`-weighted mean of x over the ranks, the same on every rank (e.g. a batch's

@@ -49,7 +49,7 @@ class VllmEngine:
     the others (continuous batching across tool calls)."""
 
     def __init__(self, cfg: Config, model_path: str, seed: int = 0):
-        self.cpu = cpu = is_cpu()
+        cpu = is_cpu()
         if cpu:
             configure_cpu_env(cfg)
         from vllm.engine.arg_utils import AsyncEngineArgs  # lazy: importing vLLM takes ~45 s on a CPU

@@ -169,9 +169,9 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
                 r.stop_reason = "length" if cfg.max_new_tokens - r.generated <= 0 else "max_total_tokens"
                 break
             rid = f"{request_id}.{len(r.segments)}" + (f".r{r.interruptions}" if r.interruptions else "")
-            seeded = {} if seed is None else {"seed": request_seed(seed, len(r.segments), r.interruptions)}
+            segment_seed = None if seed is None else request_seed(seed, len(r.segments), r.interruptions)
             async with versions.segment(rid) as seg:
-                out = await gen.generate(r.prompt_ids + r.completion_ids, budget, rid, **seeded)
+                out = await gen.generate(r.prompt_ids + r.completion_ids, budget, rid, seed=segment_seed)
             if seg.interrupted and out.finish_reason == "abort":  # a weight update: go on under the new one
                 keep = resumable(tokenizer, r.completion_ids[run_start:], out.token_ids, stops)
                 if keep:
