@@ -141,8 +141,10 @@ class RefServerConfig(Section):
     max_staleness: int = Field(4, ge=0)
     # Workers start a group only when the learner can still use it within max_staleness versions:
     # queued + generating <= (max_staleness + 1) * learner.batch_samples * learner.sync_every, across
-    # all workers (toolrl.refserver.flow). A grant not uploaded or given back within
-    # grant_lease_s is taken back (a worker that died mid-group).
+    # all workers (toolrl.refserver.flow), passed by at most one group less one sample (a group
+    # starts while any room is left, or the learner could wait for samples nothing will bring).
+    # A grant not uploaded or given back within grant_lease_s is taken back (a worker that died
+    # mid-group).
     flow_control: bool = True
     grant_lease_s: float = Field(600.0, gt=0)
     order: Literal["fifo", "newest"] = "fifo"

@@ -10,8 +10,13 @@ samples may be queued or being generated at once (AReaL bounds its rollouts the 
 asks for a grant of one group's samples before it starts the group; the grant ends when the group is
 uploaded, when the worker gives it back (a group it left out), when the worker leaves the registry,
 or when its lease runs out. Grants are counted across every worker, so the bound holds for all of
-them together. A group larger than the whole bound (a misconfiguration) starts alone, at the start
-of a version, so it slows training down rather than stopping it.
+them together.
+
+A group starts while any room is left, even when it is larger than the room: room left means the
+learner still lacks samples that nothing queued or generating will bring (some were dropped as
+stale or left out, so the version's share is not a whole number of groups), and refusing the group
+would leave the learner waiting until its batch deadline. So the bound can be passed by at most one
+group less one sample (and a group larger than the whole bound, a misconfiguration, still runs).
 """
 from __future__ import annotations
 
@@ -46,11 +51,7 @@ class Grants:
         """A grant id for `n` samples, or None when they do not fit now."""
         if n < 1:
             raise ValueError(f"a grant is for at least one sample, not {n}")
-        room = self.capacity(queued, delivered_since_version)
-        # A group larger than the whole bound (a misconfiguration) may start when the version's
-        # room is all free, or it would never start; otherwise a group waits for room.
-        oversized_alone = n > self.limit and room == self.limit
-        if n > room and not oversized_alone:
+        if self.capacity(queued, delivered_since_version) < 1:  # any room: see the module's doc
             self.refused_total += 1
             return None
         gid = secrets.token_hex(8)
