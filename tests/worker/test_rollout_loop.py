@@ -474,3 +474,42 @@ def test_seeded_rollouts_are_repeated_by_a_worker_restored_to_the_same_place(too
     assert {s for *_, s in produce(other, 2)[0][0]}.isdisjoint(seeds)  # the run's seed is part of the key
     plain = demo_worker(tool, Recording(), *sets)
     assert [s for *_, s in produce(plain, 1)[0][0]] == [None] * 4
+
+
+def test_a_group_the_reference_server_refuses_is_left_out_and_the_worker_goes_on(tool):
+    """A group the real reference server refuses (400: here a logprob no sampler gives) is left out,
+    counted and its flow-control grant given back; the worker uploads the next groups (it used to
+    end its upload loop, and with it its rollouts, at the first refusal)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parent.parent / "refserver"))
+    from test_ref_server import config, serve
+    from toolrl.refserver.app import create_app
+    from toolrl.refserver.client import AsyncRefServerClient, RefServerClient
+    from toolrl.worker.service import upload_loop
+
+    problems = arithmetic_problems(3, seed=8, level=1)
+
+    async def answer(i, p, request_id, text):
+        return boxed(p.answer if request_id.split(".")[-2] == "0" else -1), None
+
+    class FirstGroupBroken(ByProblem):
+        async def generate(self, ids, max_tokens, request_id, seed=None):
+            out = await super().generate(ids, max_tokens, request_id, seed)
+            if problems[0].question in TOK.decode(ids):
+                out.logprobs[:] = [-2e4] * len(out.logprobs)
+            return out
+
+    worker = demo_worker(tool, FirstGroupBroken(problems, answer), "teacher.traces_per_group=0",
+                         "rollout.group_size=2", "rollout.prompts_per_step=1")
+    worker.producer.problems = iter(problems)
+    with serve(create_app(config(max_staleness=1, _extra=["learner.batch_samples=4"]))) as url:
+        async def go():
+            async with AsyncRefServerClient(url) as ref:
+                await upload_loop(worker, ref, max_groups=3)
+                return (await ref.stats())["flow"]
+        flow = run_worker(worker, go)
+        with RefServerClient(url) as learner:
+            got = learner.get_batch(16, 1 << 20, wait_s=5)
+    assert worker.stats.refused_groups == 1
+    assert sorted({s.group_id.split(":")[1] for s in got}) == sorted([problems[1].id, problems[2].id])
+    assert flow["in_flight"] == 0 and flow["released_total"] == 3  # the refused group's grant too

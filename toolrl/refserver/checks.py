@@ -30,8 +30,9 @@ MAX_ABS_REWARD = 1e6
 LOGPROB_MAX = 1e-3
 LOGPROB_MIN = -1e4
 # How far ahead of the learner's announced version a sample may claim to be and still be waited
-# for (503) rather than refused: the learner announces a version after pushing it (a worker may
-# already sample from it), and a resumed learner starts one above the newest worker.
+# for (503) rather than refused: the learner announces each version before pushing it, but a
+# restarted server hears of it only at the learner's next request, and a resumed learner starts
+# one above the newest worker.
 MAX_VERSION_LEAD = 2
 
 

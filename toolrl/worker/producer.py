@@ -48,6 +48,7 @@ class Stats:
     flow_waits: int = 0  # times a group could not start for want of room (flow control)
     upload_waits: int = 0
     upload_wait_s: float = 0.0
+    refused_groups: int = 0  # groups the reference server refused (a bad sample): left out, not retried
     updates: int = 0
     last_reload_s: float = 0.0
     reward_sum: float = 0.0
@@ -250,7 +251,7 @@ class Producer:
                 grant = pending.pop(task)
                 group = self._result(task)
                 if group is None:
-                    await self._give_back(grant)
+                    await self.give_back(grant)
                     continue
                 if grant is not None:
                     self._grants[id(group)] = grant
@@ -285,7 +286,7 @@ class Producer:
         """The flow-control grant of a yielded group: its upload ends it."""
         return self._grants.pop(id(group), None)
 
-    async def _give_back(self, grant: str | None) -> None:
+    async def give_back(self, grant: str | None) -> None:
         if grant is None or self.flow is None:
             return
         try:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from toolrl.config import Config
 from toolrl.net import http_protocol
 from toolrl.protocol import sample_record
-from toolrl.refserver.client import AsyncRefServerClient
+from toolrl.refserver.client import AsyncRefServerClient, RefServerError
 from toolrl.tasks import get_task
 from toolrl.weightsync.gate import WeightGate
 from toolrl.weightsync.receiver import WeightAssembler, remove_stale_weight_dirs
@@ -110,7 +110,18 @@ async def upload_loop(worker: GenWorker, ref, max_groups: int | None = None) -> 
     producer.flow = RefServerFlow(ref, worker.worker_id, producer.group_samples)
     async for group in producer.produce(n_groups=max_groups):
         t0 = time.time()
-        await ref.upload(group, grant_id=producer.take_grant(group))
+        grant = producer.take_grant(group)
+        try:
+            await ref.upload(group, grant_id=grant)
+        except RefServerError as exc:
+            if exc.status in (401, 403):
+                raise  # a wrong token refuses every upload: stop, and say why
+            # The server refused this group itself (a sample it cannot use): sending it again would
+            # be refused again. It is left out and counted, and the worker goes on with the next.
+            worker.stats.refused_groups += 1
+            log.warning("the reference server refused a group of %d samples; left out: %s", len(group), exc)
+            await producer.give_back(grant)
+            continue
         waited = time.time() - t0
         if waited > 0.5:
             worker.stats.upload_waits += 1
