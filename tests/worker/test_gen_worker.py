@@ -1,6 +1,5 @@
 """The gen worker for real: vLLM on CPU, SmolLM2, the executor service and the reference server."""
 import asyncio
-import json
 import time
 
 import httpx
@@ -188,18 +187,20 @@ def test_an_update_interrupts_rollouts_which_go_on_exactly_under_the_new_weights
     v = httpx.get(f"{url}/health").json()["policy_version"]
     weights = {v: {n: t.detach().clone() for n, t in hf.state_dict().items()}}
     with RefServerClient(stack["ref"]) as ref:
-        while ref.get_batch(64, 1 << 20, wait_s=1):  # an empty queue, and then a new version: room
-            pass
-        ref.set_version(v)
-        deadline = time.time() + 600
+        deadline = time.time() + 900
         for attempt in range(1, 4):
+            # Room under flow control, as the learner leaves it: an empty queue, then a new version
+            # (what was taken since the last one no longer counts against the bound). Without it an
+            # attempt that interrupted nothing leaves the next one a full bound and an idle worker.
+            while ref.get_batch(64, 1 << 20, wait_s=1):
+                pass
+            ref.set_version(v + attempt)
             _busy(url, 5, deadline)
             torch.manual_seed(attempt + 1)
             new = {n: t.clone() for n, t in weights[v].items()}
             for i in range(len(hf.model.layers)):
                 w = new[f"model.layers.{i}.mlp.down_proj.weight"]
                 w.add_(torch.randn_like(w) * 0.05)
-            ref.set_version(v + attempt)
             answer = push_weights(url, list(new.items()), version=v + attempt, bucket_mb=16, timeout_s=600)
             assert answer["loaded"] and answer["version"] == v + attempt, answer
             weights[v + attempt] = new
@@ -372,29 +373,3 @@ def test_seeded_requests_repeat_their_tokens_whatever_else_the_engine_runs(stack
     runs = [httpx.post(f"{url}/probe", json={"prompt_ids": prompt, "max_tokens": 12, "seed": seed},
                        timeout=300).json()["token_ids"] for seed in (1, 2, 3, 1)]
     assert runs[3] == runs[0] and len({tuple(r) for r in runs[:3]}) > 1, runs  # the seed, not chance
-
-
-def test_rollout_only_writes_scored_jsonl(executor, tmp_path):
-    out = tmp_path / "roll.jsonl"
-    p = Proc("rollout_only", ["gen_worker.py", "--config", "configs/cpu_tiny.yaml", "--set",
-                              f"executor.url={executor}", "--rollout-only", "--num-prompts", "2",
-                              "--out", str(out)], tmp_path)
-    try:
-        assert p.p.wait(timeout=600) == 0, p.tail()
-    finally:
-        p.stop()
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    cfg = load_config("configs/cpu_tiny.yaml")
-    assert len(rows) == 2 * cfg.rollout.group_size
-    for r in rows:
-        assert {"prompt_ids", "completion_ids", "loss_mask", "logprobs", "rewards", "advantage", "tool_calls",
-                "text", "policy_version", "stop_reason"} <= set(r)
-        assert len(r["logprobs"]) == len(r["completion_ids"]) == len(r["loss_mask"])
-        assert all((lp is None) == (m == 0) for lp, m in zip(r["logprobs"], r["loss_mask"]))
-        assert set(r["rewards"]) == {"correct", "format", "tool"}
-    groups = {}
-    for r in rows:
-        groups.setdefault(r["group_id"], []).append(r["advantage"])
-    assert all(abs(sum(a)) < 1e-6 for a in groups.values())  # group-relative
-    summary = json.loads([ln for ln in p.log.read_text().splitlines() if ln.startswith("{")][-1])
-    assert summary["written"] == len(rows)
