@@ -1,5 +1,8 @@
-"""Failures during a real run (tiny model, all five processes): a worker joins, a worker dies, the
-executor dies and comes back, the learner dies and resumes from its checkpoint."""
+"""Failures during a real run (tiny model, all five processes, weights over a process group): a
+worker joins, a worker dies, the executor dies and comes back, the learner dies and resumes from its
+checkpoint. With http weights (the default) the same faults go through launch.sh in
+tests/test_launch_faults.py (whose resume catches a worker up as a late joiner is caught up), and
+the fan-out's dead and silent workers are tests/weightsync/test_fanout_tree.py's."""
 import json
 import os
 import re
@@ -32,17 +35,16 @@ def kill(proc: Proc) -> None:
     proc.p.wait(timeout=30)
 
 
-@pytest.mark.parametrize("transport", ["http", "process_group"])
-def test_the_run_survives_failures(tmp_path, transport):
-    """With either weight-sync transport: over a process group, the late joiner gets its own group,
-    the dead worker's group is dropped, and the resumed learner builds new ones."""
+def test_the_run_survives_failures(tmp_path):
+    """Over a process group the late joiner gets its own group, the dead worker's group is dropped,
+    and the resumed learner builds new ones."""
     ports = {"ex": free_port(), "ref": free_port()}
     run = tmp_path / "run"
     sets = [f"executor.url=http://127.0.0.1:{ports['ex']}", f"ref_server.url=http://127.0.0.1:{ports['ref']}",
             f"learner.steps={STEPS}", "learner.checkpoint_every=2", "rollout.heartbeat_s=1",
             "ref_server.worker_ttl_s=8", "ref_server.max_staleness=2",
             "ref_server.order=newest", "logging.wandb_mode=disabled",
-            "executor.client_retries=1", "executor.client_timeout_s=5", f"learner.sync_transport={transport}"]
+            "executor.client_retries=1", "executor.client_timeout_s=5", "learner.sync_transport=process_group"]
     args = ["--config", "configs/cpu_tiny.yaml"] + [x for s in sets for x in ("--set", s)]
     procs: dict[str, Proc] = {}
     metrics = run / "logs" / "metrics.jsonl"
@@ -98,17 +100,15 @@ def test_the_run_survives_failures(tmp_path, transport):
         # 3. the executor dies: tool calls fail fast instead of hanging, and what it could not run is
         # left out of training and counted, never scored as the model's error; the run goes on once
         # it is back
-        # (the executor is the same under either transport: once, with http)
-        if transport == "http":
-            kill(procs["executor"])
-            unavailable = lambda: httpx.get(f"{url_b}/stats").json()["tool_unavailable_groups"]  # noqa: E731
-            wait_until("groups left out for the executor", lambda: unavailable() >= 2, 300)
-            procs["executor"] = Proc("executor2", ["executor_service.py", "--port", str(ports["ex"])], tmp_path)
-            procs["executor"].wait_http(f"http://127.0.0.1:{ports['ex']}/health", 120)
-            s2 = step()
-            wait_until("tools work again", lambda: any(
-                r["step"] > s2 and r["tool_calls"][0]["status"] == "ok" for r in rows()), 300)
-            assert not any(c["status"] == "unavailable" for r in rows() for c in r["tool_calls"])
+        kill(procs["executor"])
+        unavailable = lambda: httpx.get(f"{url_b}/stats").json()["tool_unavailable_groups"]  # noqa: E731
+        wait_until("groups left out for the executor", lambda: unavailable() >= 2, 300)
+        procs["executor"] = Proc("executor2", ["executor_service.py", "--port", str(ports["ex"])], tmp_path)
+        procs["executor"].wait_http(f"http://127.0.0.1:{ports['ex']}/health", 120)
+        s2 = step()
+        wait_until("tools work again", lambda: any(
+            r["step"] > s2 and r["tool_calls"][0]["status"] == "ok" for r in rows()), 300)
+        assert not any(c["status"] == "unavailable" for r in rows() for c in r["tool_calls"])
 
         # 4. the learner dies and resumes from its last checkpoint
         wait_until("a checkpoint", lambda: (run / "checkpoints" / "latest").is_file(), 120)

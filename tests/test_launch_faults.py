@@ -110,6 +110,9 @@ def test_faults_through_launch_sh(tmp_path):
                  launch)
         text = learner_log.read_text()
         assert f"resumed at step {ckpt}" in text and "handed back the problem-stream state of 1 workers" in text
+        assert f"step {ckpt}/{STEPS}" not in text  # it continued, it did not redo the step
+        wait_for("the worker continues its stream from the checkpoint", lambda: "resumed problem stream at level"
+                 in (run_dir / "logs" / "gen_worker_0.log").read_text(), 60, launch)
 
         # 4. the learner is killed: launch.sh stops everything and says the learner failed; a second
         # --resume continues from the newest checkpoint
