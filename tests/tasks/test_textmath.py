@@ -45,8 +45,16 @@ def test_bad_files(tmp_path):
 
 
 def test_hub_path_fails_clearly_offline(monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # Both libraries read these once, at import: imported by an earlier test, they would try the
+    # network (20 s of timeouts where there is none) instead of failing at once.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     with pytest.raises(DataError, match="could not load hub dataset 'openai/gsm8k:main'"):
         load_gsm8k("openai/gsm8k:main")
 
