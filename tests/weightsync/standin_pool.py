@@ -10,6 +10,11 @@ import httpx
 from procs import Proc, free_port
 from toolrl.worker.standin import tensor_digest
 
+# How long a worker waits for each next bucket (and to drain, and for a sync) before it gives an
+# update up. A silenced worker, woken, ends its half-done update only after this wait, and heal()
+# waits for that: 30 s cost the silent-worker test 46 s. Buckets here arrive well under a second apart.
+BUCKET_WAIT_S = 10
+
 
 class Pool:
     """`n` receivers, restarted (or resumed) between tests when a test killed (or stopped) one."""
@@ -29,9 +34,8 @@ class Pool:
 
     def start(self, indices) -> None:
         for i in indices:
-            self.procs[i] = Proc(f"w{i}", ["-m", "toolrl.worker.standin", "--id", f"w{i}", "--port",
-                                           str(self.ports[i]), "--token", self.token, "--timeout-s", "30"],
-                                 self.log_dir)
+            self.procs[i] = Proc(f"w{i}", ["-m", "toolrl.worker.standin", "--id", f"w{i}", "--port", str(self.ports[i]),
+                                           "--token", self.token, "--timeout-s", str(BUCKET_WAIT_S)], self.log_dir)
         for i in indices:
             self.procs[i].wait_http(f"{self.worker(i)['url']}/health", timeout_s=180)
 
