@@ -7,14 +7,35 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import uvicorn
 
 from toolrl.net import free_port  # noqa: E402,F401  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def serve(app):
+    """An ASGI app (a service's create_app) served by uvicorn in a thread on a free port: its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 _LIVE: set["Proc"] = set()

@@ -3,8 +3,6 @@ what the loop itself decides about a batch, apart from the trainer's step."""
 import asyncio
 import json
 import random
-import sys
-from pathlib import Path
 
 
 from toolrl.config import load_config
@@ -12,9 +10,8 @@ from toolrl.protocol import Sample
 from toolrl.refserver.app import create_app
 from toolrl.refserver.client import AsyncRefServerClient
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "refserver"))
-from test_ref_server import serve  # noqa: E402
-from test_trainer import dist_env  # noqa: E402,F401  (the in-process DeepSpeed rank)
+from procs import serve  # tests/ is on sys.path (conftest)
+from test_trainer import dist_env  # noqa: F401  (the in-process DeepSpeed rank)
 
 
 def group(tag: str, rewards: list[float]) -> list[Sample]:

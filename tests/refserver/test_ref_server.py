@@ -3,12 +3,10 @@ import asyncio
 import random
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from toolrl.config import load_config
 from toolrl.models import load_hf_model
@@ -18,25 +16,8 @@ from toolrl.refserver import reference as reference_mod
 from toolrl.refserver.app import create_app
 from toolrl.refserver.client import AsyncRefServerClient, RefServerClient, RefServerError
 from toolrl.refserver.queue import sample_nbytes
-from procs import free_port  # tests/ is on sys.path (conftest)
+from procs import free_port, serve  # noqa: F401  (tests/ is on sys.path; the refserver tests import serve from here)
 
-
-
-@contextmanager
-def serve(app):
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def config(**ref):

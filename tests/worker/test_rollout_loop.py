@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import free_port  # tests/ is on sys.path (conftest)
+from procs import free_port, serve  # tests/ is on sys.path (conftest)
 from toolrl.config import RolloutConfig
 from toolrl.format import STOP_MARKER, format_tool_result
 from toolrl.models import load_tokenizer
@@ -480,9 +480,7 @@ def test_a_group_the_reference_server_refuses_is_left_out_and_the_worker_goes_on
     """A group the real reference server refuses (400: here a logprob no sampler gives) is left out,
     counted and its flow-control grant given back; the worker uploads the next groups (it used to
     end its upload loop, and with it its rollouts, at the first refusal)."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).parent.parent / "refserver"))
-    from test_ref_server import config, serve
+    from toolrl.config import load_config
     from toolrl.refserver.app import create_app
     from toolrl.refserver.client import AsyncRefServerClient, RefServerClient
     from toolrl.worker.service import upload_loop
@@ -502,7 +500,9 @@ def test_a_group_the_reference_server_refuses_is_left_out_and_the_worker_goes_on
     worker = demo_worker(tool, FirstGroupBroken(problems, answer), "teacher.traces_per_group=0",
                          "rollout.group_size=2", "rollout.prompts_per_step=1")
     worker.producer.problems = iter(problems)
-    with serve(create_app(config(max_staleness=1, _extra=["learner.batch_samples=4"]))) as url:
+    ref_cfg = load_config(None, ["model.name=tiny-random", "model.dtype=float32", "grpo.beta=0",
+                                 "ref_server.max_staleness=1", "learner.batch_samples=4"])
+    with serve(create_app(ref_cfg)) as url:
         async def go():
             async with AsyncRefServerClient(url) as ref:
                 await upload_loop(worker, ref, max_groups=3)
