@@ -123,7 +123,7 @@ def state_of(tr):
     """Weights, Adam's moments and the LR: everything a step depends on besides the data."""
     opt = tr.engine.optimizer.optimizer if hasattr(tr.engine.optimizer, "optimizer") else tr.engine.optimizer
     moments = [v.detach().clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-    return dict(tr.export_state()), moments, tr.scheduler.get_last_lr()[0]
+    return dict(tr.export_state()), moments, tr.lr()
 
 
 def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path):

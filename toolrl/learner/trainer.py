@@ -132,7 +132,11 @@ class Trainer:
         factor = self._lr_factor(self.scheduler.last_epoch)
         for group, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * factor
-        self.scheduler._last_lr = [group["lr"] for group in self.scheduler.optimizer.param_groups]
+
+    def lr(self) -> float:
+        """The LR the optimizer holds now (set_time_used sets it between the scheduler's steps, so
+        the scheduler's own get_last_lr can be a step behind)."""
+        return float(self.scheduler.optimizer.param_groups[0]["lr"]) if self.scheduler else self.cfg.learner.lr
 
     def all_mean(self, x: float, weight: float) -> float:
         """The `weight`-weighted mean of x over the ranks, the same on every rank (e.g. a batch's
@@ -344,7 +348,7 @@ class Trainer:
             "ratio_max": sums["ratio_max"] if sums["ratio_max"] > -math.inf else 1.0,
             "ratio_min": sums["ratio_min"] if sums["ratio_min"] < math.inf else 1.0,
             "grad_norm": float(self.engine.get_global_grad_norm() or 0.0) if applied else float("nan"),
-            "lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.cfg.learner.lr,
+            "lr": self.lr(),
             "micro_batches": done["micro"],
             "skipped_micro_batches": done["skipped_micro"],
             "optimizer_steps": done["steps"],
