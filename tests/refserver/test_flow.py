@@ -3,7 +3,8 @@ import asyncio
 import time
 
 
-from test_ref_server import config, mk, serve
+from procs import serve  # tests/ is on sys.path (conftest)
+from test_ref_server import config, mk
 from toolrl.refserver.app import create_app
 from toolrl.refserver.client import AsyncRefServerClient, RefServerClient
 from toolrl.refserver.flow import Grants

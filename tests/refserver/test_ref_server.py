@@ -16,8 +16,7 @@ from toolrl.refserver import reference as reference_mod
 from toolrl.refserver.app import create_app
 from toolrl.refserver.client import AsyncRefServerClient, RefServerClient, RefServerError
 from toolrl.refserver.queue import sample_nbytes
-from procs import free_port, serve  # noqa: F401  (tests/ is on sys.path; the refserver tests import serve from here)
-
+from procs import serve  # tests/ is on sys.path (conftest)
 
 
 def config(**ref):

@@ -11,7 +11,8 @@ from collections import Counter
 import httpx
 import pytest
 
-from test_ref_server import _upload, config, mk, serve  # tests/refserver/ is on sys.path (pytest prepends it)
+from procs import serve  # tests/ is on sys.path (conftest)
+from test_ref_server import _upload, config, mk  # tests/refserver/ is on sys.path (pytest prepends it)
 from toolrl.protocol import CONTENT_TYPE, SCHEMA_SAMPLES, WIRE_VERSION, ToolCall, encode_samples, hasher
 from toolrl.refserver.app import create_app
 from toolrl.refserver.client import (AsyncRefServerClient, RefServerClient, RefServerError, RefServerUnavailable,

@@ -15,7 +15,8 @@ from toolrl.refserver.app import create_app
 from toolrl.refserver.client import RefServerClient
 from toolrl.refserver.replicas import MAX_LEASES
 from procs import Proc
-from test_ref_server import _upload, config, mk, plain_logprobs, serve
+from procs import serve  # tests/ is on sys.path (conftest)
+from test_ref_server import _upload, config, mk, plain_logprobs
 
 REF = ["grpo.beta=0.04", "rollout.temperature=0.7"]
 
