@@ -310,6 +310,10 @@ class TeacherConfig(Section):
     # of any other kind gets none, so what the policy learns there comes from reward alone.
     # None: the taught kinds, never the teacher-free ones
     kinds: list[str] | None = None
+    # Arithmetic: the plan first quotes the question's words that decide the last operation
+    # ('The question says "sells 2915 rolls", so 2915 is taken away.'), because picking plus or minus
+    # from the wording is what a model that has the format still gets wrong (docs/RESULTS.md)
+    quote_cue: bool = False
 
 
 class LoraConfig(Section):

@@ -12,8 +12,8 @@ from toolrl.config import DataConfig, TeacherConfig
 from toolrl.format import STOP_MARKER
 from toolrl.tasks import DataError, get_task, load_problems, load_task, problem_stream
 from toolrl.tasks.arithmetic import (_TAUGHT_NAMES, FREE_KINDS, KINDS, LEVELS, TAUGHT_KINDS, arithmetic_problem,
-                                     arithmetic_problems, arithmetic_stream, expression_in_words, kind_problem,
-                                     mixed_stream)
+                                     arithmetic_problems, arithmetic_stream, cue_clause, expression_in_words,
+                                     kind_problem, mixed_stream)
 from toolrl.tasks.textmath import load_gsm8k
 
 FIX = Path(__file__).resolve().parent.parent / "fixtures"
@@ -89,6 +89,35 @@ def test_teacher_trace_plans_programs_and_concludes_from_the_output():
         assert f"{a} times {b}, minus {c}" in t.text.split("<program>")[0]  # the plan names the operation
         assert t.conclusion("123").endswith("\\boxed{123}\n</answer>") and "</think>" in t.conclusion("1")
     assert teacher(load_gsm8k(str(FIX / "gsm8k_sample.jsonl"))[0], rng) is None  # not generated: no trace
+
+
+def test_quote_cue_quotes_the_words_that_decide_plus_or_minus():
+    """teacher.quote_cue: the plan starts from the clause of the question around the last number, and
+    says which way it goes; without the option the plan is as before."""
+    cued = get_task("arithmetic").teacher(TeacherConfig(quote_cue=True))
+    plain = get_task("arithmetic").teacher(TeacherConfig())
+    rng = random.Random(0)
+    clauses = {2: set(), 3: set()}
+    for level in (2, 3):
+        for p in arithmetic_problems(40, seed=1, level=level):
+            clause, n, op = cue_clause(p)
+            c = str(p.meta["numbers"]["c"])
+            assert n == c and op == "+-"[level - 2] and c in clause and clause in p.question
+            clauses[level].add(clause.replace(c, "C"))
+            head = cued(p, rng).text.split("<program>")[0]
+            how = "is added" if level == 2 else "is taken away"
+            assert f'"{clause}"' in head and f"{c} {how}" in head
+            assert head.index(clause) < head.index(expression_in_words(p.meta["expression"]))  # cue, then plan
+            assert "is added" not in plain(p, rng).text and '"' not in plain(p, rng).text
+    # the clause is the verb's phrase, not the whole question, for every template
+    assert clauses == {2: {"It already holds C bottles", "receives C donated books", "plus C toys on a night shift",
+                           "then C more laps in a race"},
+                       3: {"sells C rolls", "C of them ride for free", "C batteries turn out to be broken",
+                           "ships C of them"}}
+    assert cue_clause(arithmetic_problem(1, 4, 0)) is None  # a·b + c·d ends in a product: no cue
+    assert '"' not in cued(arithmetic_problem(1, 4, 0), rng).text
+    f = arithmetic_problem(1, 5, 0).meta["numbers"]["f"]
+    assert cue_clause(arithmetic_problem(1, 5, 0))[1:] == (str(f), "-")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -257,6 +258,13 @@ _CONCLUSION = [
     "Python says {n}, which answers the question.",
 ]
 _WORDS = {"*": "times", "+": "plus", "-": "minus"}
+# teacher.quote_cue: the words of the question that say whether the last number is added or taken away
+_CUE = [
+    'The question says "{clause}", so {n} {how}.',
+    'It says "{clause}": {n} {how}.',
+    '"{clause}" means that {n} {how}.',
+]
+_HOW = {"+": "is added", "-": "is taken away"}
 
 
 def expression_in_words(expr: str) -> str:
@@ -267,6 +275,20 @@ def expression_in_words(expr: str) -> str:
             out[-1] += ","
         out.append(_WORDS.get(tok, tok))
     return " ".join(out).replace("( ", "(").replace(" )", ")").replace(",)", ")")
+
+
+def cue_clause(problem: Problem) -> tuple[str, str, str] | None:
+    """(clause, number, op) for a problem whose expression ends in "+ n" or "- n": the clause of the
+    question around n's last mention ("sells 2915 rolls"), from the previous ". ", ", " or " and " to the
+    next comma, full stop or question mark. None when the last operand is not a number in the question."""
+    m = re.search(r"([+-]) (\d+)$", problem.meta.get("expression", ""))
+    hits = list(re.finditer(rf"(?<!\d){m.group(2)}(?!\d)", problem.question)) if m else []
+    if not hits:
+        return None
+    q, at = problem.question, hits[-1].start()
+    start = max((i + len(sep) for sep in (". ", ", ", " and ") if (i := q.rfind(sep, 0, at)) >= 0), default=0)
+    end = min((i for sep in (",", ".", "?") if (i := q.find(sep, at)) >= 0), default=len(q))
+    return q[start:end], m.group(2), m.group(1)
 
 
 def teacher_program(problem: Problem, rng: random.Random) -> str:
@@ -286,13 +308,17 @@ def teacher_program(problem: Problem, rng: random.Random) -> str:
     return "\n".join(lines + [f"total = {body}", "print(total)"])
 
 
-def teacher_trace(problem: Problem, rng: random.Random) -> TeacherTrace | None:
-    """The ideal tool trace: plan, program, stop marker; after the executor's output, the conclusion
-    and the boxed answer. None for a problem the generator did not make."""
+def teacher_trace(problem: Problem, rng: random.Random, quote_cue: bool = False) -> TeacherTrace | None:
+    """The ideal tool trace: plan (with quote_cue, after the question's words that decide the last
+    operation), program, stop marker; after the executor's output, the conclusion and the boxed
+    answer. None for a problem the generator did not make."""
     if problem.program is None or "expression" not in problem.meta:
         return None
     code = teacher_program(problem, rng)
     plan = rng.choice(_PLAN).format(words=expression_in_words(problem.meta["expression"]))
+    if quote_cue and (cue := cue_clause(problem)):
+        clause, n, op = cue
+        plan = f"{rng.choice(_CUE).format(clause=clause, n=n, how=_HOW[op])} {plan}"
     head = f"{plan} {rng.choice(_REASONING)}\n<program>\n```python\n{code}\n```\n</program>\n{STOP_MARKER}"
 
     def conclusion(n: str) -> str:  # drawn only once the program has run, as the teacher always did
@@ -359,5 +385,5 @@ class ArithmeticTask(Task):
         def teach(problem: Problem, rng: random.Random) -> TeacherTrace | None:
             if problem.meta.get("kind") not in taught:
                 return None
-            return teacher_trace(problem, rng)
+            return teacher_trace(problem, rng, cfg.quote_cue)
         return teach
