@@ -312,7 +312,8 @@ class TeacherConfig(Section):
     kinds: list[str] | None = None
     # Arithmetic: the plan first quotes the question's words that decide the last operation
     # ('The question says "sells 2915 rolls", so 2915 is taken away.'), because picking plus or minus
-    # from the wording is what a model that has the format still gets wrong (docs/RESULTS.md)
+    # from the wording is what a model that has the format still gets wrong. Off: one demo seed
+    # with it was no better and its longer plans cost steps (docs/RESULTS.md)
     quote_cue: bool = False
 
 
