@@ -379,6 +379,9 @@ class LearnerConfig(Section):
     sync_delta: Literal["auto", "on", "off"] = "auto"
     checkpoint_every: int = Field(0, ge=0)  # 0: only at the end
     checkpoint_dir: str = "runs/checkpoints"
+    # The newest this many checkpoints are kept, older ones deleted once a new one is written (HF's
+    # save_total_limit): one of SmolLM2-135M (fp32 master weights and Adam) takes 1.8 GB. None: keep all
+    keep_checkpoints: int | None = Field(2, ge=1)
     batch_timeout_s: float = Field(600.0, gt=0)
     lora: LoraConfig = Field(default_factory=LoraConfig)
 

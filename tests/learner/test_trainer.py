@@ -119,6 +119,23 @@ def test_resume_reproduces_the_next_step(tmp_path):
     assert b.train_step(batch(6))["loss"] == pytest.approx(expected, rel=1e-6)
 
 
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    """learner.keep_checkpoints: older checkpoints are deleted once a new one is written, and the
+    newest still resumes."""
+    tr = make_trainer("learner.keep_checkpoints=2")
+    for i in range(3):
+        tr.train_step(batch(i))
+        tr.save_checkpoint(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step000002", "step000003"]
+    assert (tmp_path / "latest").read_text().strip() == "step000003"
+    assert make_trainer().load_checkpoint(tmp_path) is not None
+    every = make_trainer("learner.keep_checkpoints=null")
+    for i in range(3):
+        every.train_step(batch(i))
+        every.save_checkpoint(tmp_path / "all")
+    assert len(list((tmp_path / "all").glob("step*"))) == 3
+
+
 def state_of(tr):
     """Weights, Adam's moments and the LR: everything a step depends on besides the data."""
     opt = tr.engine.optimizer.optimizer if hasattr(tr.engine.optimizer, "optimizer") else tr.engine.optimizer

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -417,7 +418,12 @@ class Trainer:
         tag = f"step{self.step:06d}"
         state = {"step": self.step, "version": self.version, "samples_seen": self.samples_seen,
                  "skipped_steps": self.skipped_steps, "run_state": run_state or {}}
-        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state)
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state)  # ends with a barrier
+        keep = self.cfg.learner.keep_checkpoints
+        if keep is not None:  # every rank: on nodes without a shared disk each holds its own shards
+            older = sorted(p for p in Path(ckpt_dir).glob("step*") if p.is_dir() and p.name != tag)
+            for old in older[:max(0, len(older) - (keep - 1))]:
+                shutil.rmtree(old, ignore_errors=True)
         return tag
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> dict | None:
