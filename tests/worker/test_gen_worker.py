@@ -25,7 +25,10 @@ def stack(tmp_path_factory, executor):
     sets = [f"executor.url=http://127.0.0.1:{ex_port}", f"ref_server.url=http://127.0.0.1:{ref_port}",
             "model.dtype=float32", f"rollout.temperature={TEMP}", "rollout.prompts_per_step=2",
             "rollout.group_size=4", "rollout.max_new_tokens=160", "rollout.drain_timeout_s=20", "grpo.beta=0",
-            "data.seed=3", "rollout.kv_cache_gb=1", "rollout.seeded=true"]
+            "data.seed=3", "rollout.kv_cache_gb=1", "rollout.seeded=true",
+            # Rollouts here outlive several updates (the interrupt test can cut one group three
+            # times); at cpu_demo's 1 they would be dropped as stale before the test could read them.
+            "ref_server.max_staleness=8"]
     args = ["--config", "configs/cpu_demo.yaml"] + [x for s in sets for x in ("--set", s)]
     procs = []
     try:
@@ -64,6 +67,21 @@ def samples(stack):
 @pytest.fixture(scope="module")
 def hf(stack):
     return load_hf_model(stack["cfg"].model.name, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def pushed(hf):
+    """The weights of each policy version the worker was given, from version 0 (as loaded), so a
+    sample's tokens can be scored by the version that generated them, however old."""
+    return {0: {n: t.detach().clone() for n, t in hf.state_dict().items()}}
+
+
+def _diagnose(stack) -> str:
+    """What a failed wait on the worker shows: both services' stats and the worker's log."""
+    w = httpx.get(f"{stack['worker']}/stats", timeout=10).json()
+    r = httpx.get(f"{stack['ref']}/stats", timeout=10).json()
+    flow = {k: r.get(k) for k in ("queue_depth", "samples_out", "dropped_stale", "flow")}
+    return f"worker {w}\nref {flow}\nworker log:\n{stack['procs'][1].tail(30)}"
 
 
 def test_workers_register_and_report(stack, samples):
@@ -138,7 +156,7 @@ def _score(model, prompt, tokens):
     return sample_logprobs(model, [s], temperature=TEMP)[0]
 
 
-def test_update_weights_changes_logprobs_to_the_new_weights(stack, samples, hf):
+def test_update_weights_changes_logprobs_to_the_new_weights(stack, samples, hf, pushed):
     from toolrl.weightsync.http import push_weights
 
     url = stack["worker"]
@@ -154,6 +172,7 @@ def test_update_weights_changes_logprobs_to_the_new_weights(stack, samples, hf):
     _announce(stack, 1)
     answer = push_weights(url, named, version=1, bucket_mb=16, timeout_s=600)
     assert answer["loaded"] and answer["version"] == 1
+    pushed[1] = dict(named)
     after = _probe(url, prompt)
     assert after["policy_version"] == 1
     expect = _score(hf, prompt, after["token_ids"])
@@ -163,17 +182,20 @@ def test_update_weights_changes_logprobs_to_the_new_weights(stack, samples, hf):
     assert httpx.get(f"{url}/health").json()["policy_version"] == 1
 
 
-def _busy(url, seconds, deadline):
-    """Until the worker has had at least 4 generation requests in flight for `seconds` (past their prefill)."""
+def _busy(url, seconds, give_up):
+    """Wait until the worker has had at least 4 generation requests in flight for `seconds` (past
+    their prefill), or until `give_up`. Whether it had."""
     since = None
-    while since is None or time.time() < since + seconds:
-        busy = httpx.get(f"{url}/stats").json()["generating_requests"] >= 4
+    while time.time() < give_up:
+        busy = httpx.get(f"{url}/stats", timeout=10).json()["generating_requests"] >= 4
         since = (since or time.time()) if busy else None
-        assert time.time() < deadline, "the worker generated nothing"
+        if since is not None and time.time() >= since + seconds:
+            return True
         time.sleep(0.1)
+    return False
 
 
-def test_an_update_interrupts_rollouts_which_go_on_exactly_under_the_new_weights(stack, hf):
+def test_an_update_interrupts_rollouts_which_go_on_exactly_under_the_new_weights(stack, hf, pushed):
     """With rollouts in flight, an update cuts them short instead of waiting for them; they go on
     under the new weights. A sample holding several versions records which token came from which, and
     each token's sampler logprob is that of the weights its record names (a resumed request that
@@ -185,41 +207,48 @@ def test_an_update_interrupts_rollouts_which_go_on_exactly_under_the_new_weights
 
     url = stack["worker"]
     v = httpx.get(f"{url}/health").json()["policy_version"]
-    weights = {v: {n: t.detach().clone() for n, t in hf.state_dict().items()}}
+    assert v in pushed, (v, sorted(pushed))
+    mixed = []  # samples holding tokens of several versions, whenever they arrive
+
+    def take(ref, wait_s):
+        batch = ref.get_batch(64, 1 << 20, wait_s=wait_s) or []
+        mixed.extend(s for s in batch if len(s.version_runs) > 1)
+        return batch
+
     with RefServerClient(stack["ref"]) as ref:
-        deadline = time.time() + 900
-        for attempt in range(1, 4):
+        deadline = time.time() + 600  # under pytest's 900 s, so a failure says what the worker was doing
+        for attempt in range(1, 5):
             # Room under flow control, as the learner leaves it: an empty queue, then a new version
             # (what was taken since the last one no longer counts against the bound). Without it an
             # attempt that interrupted nothing leaves the next one a full bound and an idle worker.
-            while ref.get_batch(64, 1 << 20, wait_s=1):
+            while take(ref, 1):
                 pass
             ref.set_version(v + attempt)
-            _busy(url, 5, deadline)
+            # Not busy within its share of the time: push anyway; the update then interrupts none.
+            _busy(url, 5, min(deadline, time.time() + 120))
             torch.manual_seed(attempt + 1)
-            new = {n: t.clone() for n, t in weights[v].items()}
+            new = {n: t.clone() for n, t in pushed[v].items()}
             for i in range(len(hf.model.layers)):
                 w = new[f"model.layers.{i}.mlp.down_proj.weight"]
                 w.add_(torch.randn_like(w) * 0.05)
             answer = push_weights(url, list(new.items()), version=v + attempt, bucket_mb=16, timeout_s=600)
             assert answer["loaded"] and answer["version"] == v + attempt, answer
-            weights[v + attempt] = new
+            pushed[v + attempt] = new
             if answer["interrupted"] >= 1:
                 break
-        assert answer["interrupted"] >= 1 and answer["drain_s"] < 2, answer
-        mixed = []
+        assert answer["interrupted"] >= 1 and answer["drain_s"] < 2, (answer, _diagnose(stack))
         while not mixed and time.time() < deadline:
-            mixed = [s for s in ref.get_batch(64, 1 << 20, wait_s=10) or [] if len(s.version_runs) > 1]
-    assert mixed, "no sample held tokens of two versions"
+            take(ref, 10)
+    assert mixed, f"no sample held tokens of two versions\n{_diagnose(stack)}"
     s = mixed[0]
     runs = [u for _, u in s.version_runs]
     assert s.version_runs[0][0] == 0 and s.policy_version == runs[0] and runs == sorted(set(runs)), s.version_runs
     versions, gen = s.token_versions(), [i for i, m in enumerate(s.loss_mask) if m]
     lps = {}
     for u in runs:
-        hf.load_state_dict(weights[u])
+        hf.load_state_dict(pushed[u])
         lps[u] = sample_logprobs(hf, [s], temperature=TEMP)[0]
-    hf.load_state_dict(weights[max(weights)])  # as the worker holds it, for the tests after this one
+    hf.load_state_dict(pushed[max(pushed)])  # as the worker holds it, for the tests after this one
 
     def gap(u, w):  # tokens of version w scored by version u's weights
         d = [abs(s.logprobs[i] - lps[u][i]) for i in gen if versions[i] == w]
