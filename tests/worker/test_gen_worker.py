@@ -184,15 +184,14 @@ def test_update_weights_changes_logprobs_to_the_new_weights(stack, samples, hf, 
 
 def _busy(url, seconds, give_up):
     """Wait until the worker has had at least 4 generation requests in flight for `seconds` (past
-    their prefill), or until `give_up`. Whether it had."""
+    their prefill), or until `give_up`."""
     since = None
     while time.time() < give_up:
         busy = httpx.get(f"{url}/stats", timeout=10).json()["generating_requests"] >= 4
         since = (since or time.time()) if busy else None
         if since is not None and time.time() >= since + seconds:
-            return True
+            return
         time.sleep(0.1)
-    return False
 
 
 def test_an_update_interrupts_rollouts_which_go_on_exactly_under_the_new_weights(stack, hf, pushed):
