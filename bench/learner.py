@@ -16,6 +16,10 @@
    update's ratio is against pi_old, kept from the first pass: `second_update_ratio` is the second
    update's time over the first's inside the same step, median over repeats; at most about 1 when
    pi_old costs no extra forward).
+   And the GRPO step once more with the output head's logprob and entropy left to autograd (the
+   code before toolrl.logprobs wrote their backward out; kept here as the baseline), and the head
+   alone both ways on the batch's completion rows: `fused_head_step_speedup` and
+   `fused_head_speedup`.
 2. Weight sync, in the same run: a real gen worker (vLLM, idle) taking a full HTTP sync
    (learner-side `push_weights`: buckets streamed from the tensors' memory, written to /dev/shm
    as they arrive, loaded while the rest arrives) vs the same engine's in-place reload alone of
@@ -60,6 +64,58 @@ def make_batch(n: int, prompt_len: int, comp_len: int, group: int = 4, seed: int
                           logprobs=[-2.0 if m else None for m in mask], rewards={"correct": float(i % 2)},
                           reward=float(i % 2), advantage=1.0 if i % 2 else -1.0, group_id=f"g{i // group}"))
     return out
+
+
+def autograd_chunk_fn(head, temperature: float, with_entropy: bool):
+    """toolrl.logprobs' per-chunk head before its backward was written out: the same math, autograd's
+    graph (the baseline of `fused_head_speedup`)."""
+    import torch
+
+    def fn(h, tgt):
+        logits = head(h).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, tgt.unsqueeze(-1)).squeeze(-1) - lse
+        if not with_entropy:
+            return logp
+        return logp, lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+    return fn
+
+
+def bench_head(tr, rows: int, temperature: float, chunk_rows: int, repeats: int) -> dict:
+    """The head alone on `rows` completion positions, forward and backward of logprob + entropy,
+    toolrl's written-out backward against autograd's, alternating."""
+    import torch
+
+    import toolrl.logprobs as lp
+
+    head = tr.module.get_output_embeddings()
+    hidden = torch.randn(rows, head.weight.shape[1], dtype=head.weight.dtype, requires_grad=True)
+    targets = torch.randint(0, head.weight.shape[0], (rows,))
+    fused_fn = lp._chunk_fn
+
+    def run(chunk_fn):
+        lp._chunk_fn = chunk_fn
+        try:
+            t = time.perf_counter()
+            logp, ent = lp.logprobs_from_hidden(hidden, head, targets, temperature=temperature,
+                                                chunk_rows=chunk_rows, with_entropy=True)
+            logp.sum().backward()
+            return time.perf_counter() - t
+        finally:
+            lp._chunk_fn = fused_fn
+            tr.engine.zero_grad()
+
+    run(fused_fn), run(autograd_chunk_fn)
+    fused, plain = [], []
+    for _ in range(repeats):
+        fused.append(run(fused_fn))
+        plain.append(run(autograd_chunk_fn))
+    print(f"  head alone, {rows} rows: written-out backward {min(fused):.3f}s, autograd {min(plain):.3f}s", flush=True)
+    return {"head_rows": rows, "head_s_fused": round(min(fused), 3), "head_s_autograd": round(min(plain), 3),
+            "fused_head_speedup": round(min(plain) / min(fused), 3)}
 
 
 def bench_step(args) -> dict:
@@ -136,13 +192,24 @@ def bench_step(args) -> dict:
 
     plain_step()
     completion_step()
-    grpo_step(True)  # warm-up all five
+    import toolrl.logprobs as lp
+
+    def grpo_step_autograd_head():
+        fused_fn, lp._chunk_fn = lp._chunk_fn, autograd_chunk_fn
+        try:
+            grpo_step(True)
+        finally:
+            lp._chunk_fn = fused_fn
+
+    grpo_step(True)  # warm-up all six
     grpo_step(False)
     grpo_step(True, 2)
-    t_plain, t_comp, t_grpo, t_packed, t_two, second_over_first = [], [], [], [], [], []
+    grpo_step_autograd_head()
+    t_plain, t_comp, t_grpo, t_packed, t_two, t_auto, second_over_first = [], [], [], [], [], [], []
     for _ in range(args.repeats):
         for times, fn in ((t_plain, plain_step), (t_comp, completion_step), (t_grpo, lambda: grpo_step(True)),
-                          (t_packed, lambda: grpo_step(False)), (t_two, lambda: grpo_step(True, 2))):
+                          (t_packed, lambda: grpo_step(False)), (t_auto, grpo_step_autograd_head),
+                          (t_two, lambda: grpo_step(True, 2))):  # last: update_s holds its two updates
             update_s.clear()
             t = time.perf_counter()
             fn()
@@ -150,7 +217,8 @@ def bench_step(args) -> dict:
         second_over_first.append(update_s[1] / update_s[0])  # the 2-update step's own two updates
         print(f"  plain {t_plain[-1]:.2f}s  plain, head at completion {t_comp[-1]:.2f}s  grpo {t_grpo[-1]:.2f}s  "
               f"grpo, every row its own prompt {t_packed[-1]:.2f}s  grpo, 2 updates {t_two[-1]:.2f}s "
-              f"(update 1 {update_s[0]:.2f}s, update 2 {update_s[1]:.2f}s)", flush=True)
+              f"(update 1 {update_s[0]:.2f}s, update 2 {update_s[1]:.2f}s)  grpo, autograd's head "
+              f"{t_auto[-1]:.2f}s", flush=True)
     res = {"step_tokens": tokens, "plain_tokens_per_s": round(tokens / min(t_plain), 1),
            "grpo_tokens_per_s": round(tokens / min(t_grpo), 1),
            "ratio_vs_fwd_bwd": round(min(t_plain) / min(t_grpo), 3),
@@ -167,7 +235,11 @@ def bench_step(args) -> dict:
            "second_update_ratios": [round(r, 3) for r in second_over_first],
            # the same from whole steps: (2-update step - 1-update step) / 1-update step, best of each
            "second_update_ratio_from_steps": round((min(t_two) - min(t_grpo)) / min(t_grpo), 3),
+           # the same GRPO step with the head's logprob and entropy left to autograd, over toolrl's
+           "fused_head_step_speedup": round(min(t_auto) / min(t_grpo), 3),
            "threads": torch.get_num_threads()}
+    res.update(bench_head(tr, sum(len(s.completion_ids) for s in batch), cfg.rollout.temperature,
+                          cfg.learner.logprob_chunk, args.repeats))
     named = tr.export_state(getattr(torch, resolve_dtype(cfg.model.dtype)))
     return res, named
 

@@ -105,6 +105,47 @@ def test_gradients_match_plain(model):
         torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("use", ["logp", "logp, entropy computed", "entropy", "both"])
+def test_the_written_out_backward_matches_autograd(dtype, temperature, use):
+    """The head's logprob and entropy have a hand-written backward: its gradients (into the hidden
+    states and the head) equal autograd's through the plain math, whichever outputs the loss uses
+    (the learner computes the entropy as a metric and leaves it out of the loss by default)."""
+    g = torch.Generator().manual_seed(7)
+    head = torch.nn.Linear(16, 300, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(300, 16, generator=g) * 2)
+    head = head.to(dtype)
+    hidden = torch.randn(11, 16, generator=g).to(dtype).requires_grad_()
+    targets = torch.randint(0, 300, (11,), generator=g)
+    w_lp, w_ent = torch.randn(11, generator=g), torch.randn(11, generator=g)
+
+    def loss_of(lp, ent):
+        by_logp = (lp * w_lp).sum() if use != "entropy" else 0
+        return by_logp + ((ent * w_ent).sum() if use in ("entropy", "both") else 0)
+
+    def grads(loss):
+        return [t.float() for t in torch.autograd.grad(loss, [hidden, head.weight])]
+
+    out = logprobs_from_hidden(hidden, head, targets, temperature=temperature, chunk_rows=4,
+                               with_entropy=use != "logp")
+    lp, ent = out if use != "logp" else (out, None)
+    got = grads(loss_of(lp, ent))
+    logits = head(hidden).float() / temperature
+    logp_all = logits.log_softmax(-1)
+    want_lp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    want_ent = -(logp_all.exp() * logp_all).sum(-1)
+    want = grads(loss_of(want_lp, want_ent))
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
+    if ent is not None:
+        torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-5)
+    tol = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for x, y in zip(got, want):
+        assert y.abs().max() > 0.1
+        torch.testing.assert_close(x, y, **tol)
+
+
 def test_checkpointed_chunks_keep_backward_memory_to_one_chunk():
     # A head whose forward output we can watch: backward must recompute chunk by chunk.
     calls = []
