@@ -119,7 +119,7 @@ def test_resume_reproduces_the_next_step(tmp_path):
     assert b.train_step(batch(6))["loss"] == pytest.approx(expected, rel=1e-6)
 
 
-def test_only_the_newest_checkpoints_are_kept(tmp_path):
+def test_only_the_newest_checkpoints_are_kept(tmp_path, capsys):
     """learner.keep_checkpoints: older checkpoints are deleted once a new one is written, and the
     newest still resumes."""
     tr = make_trainer("learner.keep_checkpoints=2")
@@ -129,6 +129,16 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("step*")) == ["step000002", "step000003"]
     assert (tmp_path / "latest").read_text().strip() == "step000003"
     assert make_trainer().load_checkpoint(tmp_path) is not None
+    # one that cannot be deleted (a link: rmtree refuses to follow it) is reported, and the run goes on
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "keep.txt").write_text("x")
+    (tmp_path / "step000000").symlink_to(tmp_path / "elsewhere")
+    capsys.readouterr()
+    tr.train_step(batch(3))
+    tr.save_checkpoint(tmp_path)
+    assert "could not delete the old checkpoint" in capsys.readouterr().out
+    assert (tmp_path / "elsewhere" / "keep.txt").exists()
+    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step000000", "step000003", "step000004"]
     every = make_trainer("learner.keep_checkpoints=null")
     for i in range(3):
         every.train_step(batch(i))

@@ -423,7 +423,11 @@ class Trainer:
         if keep is not None:  # every rank: on nodes without a shared disk each holds its own shards
             older = sorted(p for p in Path(ckpt_dir).glob("step*") if p.is_dir() and p.name != tag)
             for old in older[:max(0, len(older) - (keep - 1))]:
-                shutil.rmtree(old, ignore_errors=True)
+                try:
+                    shutil.rmtree(old)
+                except OSError as e:  # the run goes on; the disk fills unless someone looks
+                    print(f"warning: could not delete the old checkpoint {old} (learner.keep_checkpoints={keep}): "
+                          f"{e}", flush=True)
         return tag
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> dict | None:
