@@ -68,6 +68,11 @@ def test_bad_file(tmp_path):
 def test_cross_field_check():
     with pytest.raises(ConfigError, match="data.level"):
         load_config(None, ["data.level=5", "data.max_level=2"])
+    with pytest.raises(ConfigError, match=r"grpo.downsample_to \(4\) must be below rollout.group_size \(4\)"):
+        load_config(None, ["grpo.downsample_to=4", "rollout.group_size=4"])
+    with pytest.raises(ConfigError, match="downsample_to"):
+        load_config(None, ["grpo.downsample_to=1", "rollout.group_size=4"])
+    assert load_config(None, ["grpo.downsample_to=4", "rollout.group_size=8"]).grpo.downsample_to == 4
 
 
 def test_cli_print_and_error():

@@ -7,7 +7,7 @@ import torch
 
 from toolrl.config import GRPOConfig
 from toolrl.grpo import (AGGREGATION, POLICY_LOSSES, BatchCounts, Role, group_advantages, grpo_loss, is_correction,
-                         sample_roles, sft_loss, zero_variance)
+                         max_variance_subset, sample_roles, sft_loss, zero_variance)
 from toolrl.protocol import Sample
 
 # Two sequences, four completion positions. Sequence 0: tokens 0-2 generated, 3 is tool output.
@@ -143,6 +143,30 @@ def test_group_advantages():
         assert group_advantages([1.15] * 5, scale=scale) == [0.0] * 5
     assert zero_variance([0.3, 0.3]) and not zero_variance([0.3, 0.31])
     assert sum(group_advantages([0.1, 0.7, 0.2])) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_max_variance_subset_is_the_best_of_all_subsets():
+    """PODS's down-sampling: the m rewards with the largest variance, checked against every subset."""
+    import itertools
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(2, 9)
+        rewards = [rng.choice([0.0, 0.2, 0.4, 1.0, 1.2, 1.4]) for _ in range(n)]
+        m = rng.randint(1, n)
+        got = max_variance_subset(rewards, m)
+        assert len(got) == m and got == sorted(set(got))
+        best = max(statistics.pvariance([rewards[i] for i in c]) for c in itertools.combinations(range(n), m))
+        assert statistics.pvariance([rewards[i] for i in got]) == pytest.approx(best, abs=1e-12)
+    # one right answer among eight: it is kept, beside three wrong ones (the earliest)
+    assert max_variance_subset([0.2, 0.2, 1.4, 0.2, 0.2, 0.0, 0.2, 0.2], 4) == [0, 1, 2, 5]
+    assert max_variance_subset([1.0, 0.0, 1.0, 0.0, 1.0, 1.0], 2) == [0, 1]
+    assert max_variance_subset([0.5] * 5, 3) == [0, 1, 2]  # no variance anywhere: the first m
+    assert max_variance_subset([0.1, 0.9], 4) == [0, 1]
+    with pytest.raises(ValueError):
+        max_variance_subset([0.1, 0.9, 0.3], 0)
 
 
 def test_roles_and_the_self_sft_choice():

@@ -273,6 +273,12 @@ class GRPOConfig(Section):
     # until the batch is full or it has drawn max_draws batches' worth of samples
     dynamic_sampling: bool = False
     max_draws: int = Field(4, ge=1)
+    # PODS's max-variance down-sampling: workers generate rollout.group_size rollouts a problem and the
+    # learner trains on this many of each group, those whose rewards vary most (the best and worst),
+    # with advantages over them. Generation is cheap beside the learner on a CPU; more rollouts give
+    # more groups with a right answer to learn from. The step's accuracy and the teacher's decay
+    # still count every rollout. None: train on every rollout
+    downsample_to: int | None = Field(None, ge=2)
     w_grpo: float = Field(1.0, ge=0)
     w_teacher: float = Field(0.0, ge=0)
     w_self: float = Field(0.0, ge=0)
@@ -505,6 +511,9 @@ class Config(Section):
                              f"({self.learner.sync_every}): only synced policies are on the workers")
         if any(not 1 <= k <= self.eval.samples for k in self.eval.ks):
             raise ValueError(f"eval.ks {self.eval.ks}: each k must lie in [1, eval.samples={self.eval.samples}]")
+        if self.grpo.downsample_to is not None and self.grpo.downsample_to >= self.rollout.group_size:
+            raise ValueError(f"grpo.downsample_to ({self.grpo.downsample_to}) must be below rollout.group_size "
+                             f"({self.rollout.group_size}): the learner keeps that many of each group's rollouts")
         return self
 
 

@@ -2,7 +2,8 @@
 
 Advantages are group-relative: each prompt's n samples are scored against each other,
 (r - mean) / (std + eps) with the population std (`std: sample` for TRL's n - 1), or r - mean with
-`scale_rewards: false` (Dr. GRPO).
+`scale_rewards: false` (Dr. GRPO). With `downsample_to` (PODS) the learner keeps the m of each
+group's n rollouts whose rewards vary most and scores them against each other.
 
 A sample plays up to three roles: GRPO (a policy sample), teacher SFT (a teacher trace) and self
 SFT (the best policy sample of its group that solved the problem). The learner's loss is
@@ -70,6 +71,30 @@ def group_advantages(rewards: list[float], scale: bool = True, eps: float = 1e-4
 
 def zero_variance(rewards: list[float], tol: float = 1e-9) -> bool:
     return max(rewards) - min(rewards) <= tol if rewards else True
+
+
+def max_variance_subset(rewards: list[float], m: int) -> list[int]:
+    """The indices (ascending) of the `m` rewards with the largest variance: PODS's max-variance
+    down-sampling (Xu et al. 2025, "Not All Rollouts are Useful"). The best subset is always some
+    k highest and m - k lowest rewards, so the m + 1 splits of the sorted rewards are tried; ties go
+    to the earliest split, and within equal rewards to the earlier index."""
+    if m >= len(rewards):
+        return list(range(len(rewards)))
+    if m < 1:
+        raise ValueError(f"a subset needs at least one sample, got m={m}")
+    low = sorted(range(len(rewards)), key=lambda i: (rewards[i], i))
+    high = sorted(range(len(rewards)), key=lambda i: (-rewards[i], i))
+    best, best_var = None, -1.0
+    for k in range(m + 1):  # k from the top, m - k from the bottom
+        bottom = low[:m - k]
+        taken = set(bottom)
+        pick = bottom + [i for i in high if i not in taken][:k]
+        vals = [rewards[i] for i in pick]
+        mean = sum(vals) / m
+        var = sum((v - mean) ** 2 for v in vals) / m
+        if var > best_var + 1e-12:
+            best, best_var = pick, var
+    return sorted(best)
 
 
 # ---------------------------------------------------------------------------------------------

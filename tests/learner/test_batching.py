@@ -1,6 +1,8 @@
 """Gathering a batch (dynamic sampling, token budget, deadline) and cutting it into micro-batches."""
 import time
 
+import pytest
+
 from toolrl.learner.batching import micro_batches
 from toolrl.protocol import Sample
 
@@ -74,3 +76,34 @@ def test_the_token_budget_ends_a_batch_early_and_the_deadline_stops_the_run():
     with pytest.raises(SystemExit, match="2/8 samples from the reference server"):
         gather_batch(Pieces(group("a", [0, 1]), []), want=8, token_budget=10_000, deadline=10.0,
                      clock=lambda: next(t))
+
+
+def test_downsampling_keeps_each_groups_most_varied_rollouts_and_scores_them_again():
+    """grpo.downsample_to (PODS): a group of 8 is cut to its 4 most varied rollouts, whose advantages
+    are recomputed over those 4; the rest get advantage 0 (not trained). Teacher traces and groups
+    already that small stay as they are, in the batch's order."""
+    from toolrl.config import GRPOConfig
+    from toolrl.grpo import group_advantages
+    from toolrl.learner.batching import downsample
+
+    rare = group("rare", [0.2, 0.2, 1.4, 0.2, 0.2, 0.0, 0.2, 0.2])
+    small = group("small", [0.0, 1.0, 1.0])
+    teacher = group("rare:teacher0", [1.4, 1.4])
+    for s in teacher:
+        s.source = "teacher"
+    for s in rare + small:
+        s.advantage = 0.5  # what the worker computed over the whole group: replaced below
+    batch = rare[:4] + teacher + rare[4:] + small
+    kept, out = downsample(batch, GRPOConfig(downsample_to=4))
+    assert out == 4
+    assert kept == [rare[0], rare[1], rare[2]] + teacher + [rare[5]] + small
+    want = group_advantages([0.2, 0.2, 1.4, 0.0])
+    assert [s.advantage for s in (rare[0], rare[1], rare[2], rare[5])] == pytest.approx(want)
+    assert want[2] > 1.5  # the one right answer weighs more among 4 than among 8
+    assert all(s.advantage == 0.0 for s in (rare[3], rare[4], rare[6], rare[7]))
+    assert all(s.advantage == 0.5 for s in small)  # untouched
+    # Dr. GRPO's mean-only advantages over the kept four
+    rare = group("rare", [0.2, 0.2, 1.4, 0.2, 0.2, 0.0, 0.2, 0.2])
+    kept, _ = downsample(rare, GRPOConfig(downsample_to=4, scale_rewards=False))
+    assert [s.advantage for s in kept] == pytest.approx([0.2 - 0.45, 0.2 - 0.45, 1.4 - 0.45, 0.0 - 0.45])
+    assert downsample(rare, GRPOConfig()) == (rare, 0)

@@ -57,6 +57,30 @@ def test_dynamic_sampling_in_the_loop_draws_past_flat_groups(tmp_path):
     assert m["samples_no_signal"] == 0
 
 
+def test_downsampling_in_the_loop_trains_the_most_varied_half_and_counts_every_rollout(tmp_path):
+    """grpo.downsample_to (PODS) through the loop: two groups of 8 rollouts with 1 and 2 right
+    answers; the step trains on the 4 most varied of each (8 samples, 112 tokens: every right answer
+    and wrong ones beside them), while its accuracy counts all 16 rollouts, as the teacher's decay
+    does (3/16; the 8 trained hold 3/8)."""
+    from toolrl.learner.loop import run
+
+    cfg = load_config("configs/cpu_tiny.yaml", [
+        "logging.wandb_mode=disabled", "learner.dtype=float32", "grpo.beta=0", "learner.steps=1",
+        "learner.batch_samples=16", "learner.batch_tokens=100000", "learner.checkpoint_every=0",
+        "learner.batch_timeout_s=60", "eval.before_after=false", "ref_server.flow_control=false",
+        "ref_server.batch_wait_s=1", "rollout.group_size=8", "grpo.downsample_to=4", "grpo.w_self=0"])
+    groups = [group("one-right", [1.0] + [0.0] * 7), group("two-right", [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0])]
+    with serve(create_app(cfg)) as url:
+        asyncio.run(upload(url, groups))
+        run(cfg.model_copy(update={"ref_server": cfg.ref_server.model_copy(update={"url": url})}),
+            tmp_path, resume=False)
+    m = json.loads((tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()[0])
+    assert m["downsampled"] == 8 and m["samples"] == 16
+    assert m["train_tokens"] == 8 * 14  # 8 samples of 6 prompt + 8 completion tokens
+    assert m["accuracy"] == 3 / 16
+    assert m["nonzero_advantage_frac"] == 0.5  # half the rollouts trained, each with an advantage
+
+
 CATCH_UP_MAIN = """
 import json, os, sys
 from pathlib import Path

@@ -7,7 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from toolrl.grpo import zero_variance
+from toolrl.config import GRPOConfig
+from toolrl.grpo import group_advantages, max_variance_subset, zero_variance
 from toolrl.protocol import Sample
 
 
@@ -83,6 +84,33 @@ def with_signal(samples: list[Sample]) -> tuple[list[Sample], int]:
     flat = {g for g, r in rewards.items() if zero_variance(r)}
     kept = [s for s in samples if s.source != "policy" or s.group_id not in flat]
     return kept, len(samples) - len(kept)
+
+
+def downsample(samples: list[Sample], g: GRPOConfig) -> tuple[list[Sample], int]:
+    """PODS (`grpo.downsample_to`): each group's policy samples cut to the `downsample_to` whose
+    rewards vary most, their advantages recomputed over the kept ones (the others no longer count
+    in the group's baseline, and their advantage is set to 0: they are not trained). Teacher traces
+    and smaller groups stay as they are; the batch keeps its order. Returns (kept, left out)."""
+    m = g.downsample_to
+    if m is None:
+        return samples, 0
+    groups: dict[str, list[Sample]] = {}
+    for s in samples:
+        if s.source == "policy":
+            groups.setdefault(s.group_id, []).append(s)
+    out: set[int] = set()
+    for group in groups.values():
+        if len(group) <= m:
+            continue
+        keep = [group[i] for i in max_variance_subset([s.reward for s in group], m)]
+        kept = {id(s) for s in keep}
+        for s in group:
+            if id(s) not in kept:  # not trained: no advantage (the signal metrics count it so)
+                s.advantage = 0.0
+                out.add(id(s))
+        for s, a in zip(keep, group_advantages([s.reward for s in keep], scale=g.scale_rewards, std=g.std)):
+            s.advantage = a
+    return [s for s in samples if id(s) not in out], len(out)
 
 
 @dataclass

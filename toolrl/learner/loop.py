@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from toolrl.config import Config
-from toolrl.learner.batching import gather_batch
+from toolrl.learner.batching import downsample, gather_batch
 from toolrl.learner.dist_env import check_shared_dir
 from toolrl.learner.monitor import Monitor, step_line
 from toolrl.learner.schedules import TeacherWeight, out_of_time
@@ -170,7 +170,10 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
         if cfg.learner.lr_decay_over == "time":  # the config requires a time budget then
             trainer.set_time_used(elapsed() / cfg.learner.time_budget_s)
         held = trainer.version  # the policy this step trains: samples of it are on-policy (staleness 0)
-        metrics = trainer.train_step(batch, w_teacher=teacher_weight.value)
+        # PODS: the step trains on each group's most varied rollouts; its statistics (accuracy, the
+        # teacher's decay) count every rollout generated
+        trained, downsampled = downsample(batch, cfg.grpo)
+        metrics = trainer.train_step(trained, w_teacher=teacher_weight.value)
         t2 = time.time()
         synced = {}
         if trainer.step % cfg.learner.sync_every == 0:
@@ -184,7 +187,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
         teacher_weight.update(trainer.all_mean(own["accuracy"], sum(s.source == "policy" for s in batch)))
         whole = whole_batch(batch, world)  # rank 0 logs every rank's samples, not only its own share
         metrics.update(batch_stats(whole, held) if rank0 else own, dynamic_sampling_dropped=got.dropped,
-                       samples_drawn=got.drawn)
+                       samples_drawn=got.drawn, downsampled=downsampled)
         if cfg.learner.checkpoint_every and trainer.step % cfg.learner.checkpoint_every == 0:
             checkpoint()
         if rank0 and cfg.logging.dump_samples:
