@@ -90,7 +90,10 @@ def downsample(samples: list[Sample], g: GRPOConfig) -> tuple[list[Sample], int]
     """PODS (`grpo.downsample_to`): each group's policy samples cut to the `downsample_to` whose
     rewards vary most, their advantages recomputed over the kept ones (the others no longer count
     in the group's baseline, and their advantage is set to 0: they are not trained). Teacher traces
-    and smaller groups stay as they are; the batch keeps its order. Returns (kept, left out)."""
+    and smaller groups stay as they are; the batch keeps its order. Returns (kept, left out).
+    The reference server hands out samples up to the learner's token budget, so a group can arrive
+    split over two batches; each part is cut on its own (a part of `downsample_to` or fewer keeps the
+    worker's advantages). Size `learner.batch_tokens` to hold a batch of whole groups."""
     m = g.downsample_to
     if m is None:
         return samples, 0
