@@ -75,7 +75,7 @@ class _TokenLogprob(torch.autograd.Function):
     at temperature 1 / inv_t, with the backward written out. Autograd's graph of the same math
     (upcast, divide, logsumexp, gather, softmax, product, sum) passes over the [N, V] tensor some
     thirty times in all; this does about a dozen, and keeps only the input logits and two numbers
-    a row for backward. On a CPU that halves the time of the learner's head (bench/learner.py).
+    a row for backward. On a CPU the head takes a quarter to a half less time (bench/learner.py).
 
     With z = logits * inv_t, p = softmax(z) and H = -sum(p log p):
     d logp_t / dz = onehot(t) - p, and dH / dz = -p (log p + H)."""
