@@ -32,6 +32,7 @@ Last line: JSON with ratio_vs_fwd_bwd, ratio_like_for_like_unshared and sync_rat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -84,6 +85,18 @@ def autograd_chunk_fn(head, temperature: float, with_entropy: bool):
     return fn
 
 
+@contextlib.contextmanager
+def head_math(chunk_fn):
+    """toolrl.logprobs computes the head with `chunk_fn` inside the block."""
+    import toolrl.logprobs as lp
+
+    kept, lp._chunk_fn = lp._chunk_fn, chunk_fn
+    try:
+        yield
+    finally:
+        lp._chunk_fn = kept
+
+
 def bench_head(tr, rows: int, temperature: float, chunk_rows: int, repeats: int) -> dict:
     """The head alone on `rows` completion positions, forward and backward of logprob + entropy,
     toolrl's written-out backward against autograd's, alternating."""
@@ -97,16 +110,14 @@ def bench_head(tr, rows: int, temperature: float, chunk_rows: int, repeats: int)
     fused_fn = lp._chunk_fn
 
     def run(chunk_fn):
-        lp._chunk_fn = chunk_fn
-        try:
+        with head_math(chunk_fn):
             t = time.perf_counter()
             logp, ent = lp.logprobs_from_hidden(hidden, head, targets, temperature=temperature,
                                                 chunk_rows=chunk_rows, with_entropy=True)
             logp.sum().backward()
-            return time.perf_counter() - t
-        finally:
-            lp._chunk_fn = fused_fn
-            tr.engine.zero_grad()
+            took = time.perf_counter() - t
+        tr.engine.zero_grad()
+        return took
 
     run(fused_fn), run(autograd_chunk_fn)
     fused, plain = [], []
@@ -192,14 +203,9 @@ def bench_step(args) -> dict:
 
     plain_step()
     completion_step()
-    import toolrl.logprobs as lp
-
     def grpo_step_autograd_head():
-        fused_fn, lp._chunk_fn = lp._chunk_fn, autograd_chunk_fn
-        try:
+        with head_math(autograd_chunk_fn):
             grpo_step(True)
-        finally:
-            lp._chunk_fn = fused_fn
 
     grpo_step(True)  # warm-up all six
     grpo_step(False)

@@ -69,6 +69,12 @@ def group_advantages(rewards: list[float], scale: bool = True, eps: float = 1e-4
     return [c / (sd + eps) for c in centred]
 
 
+def advantages(rewards: list[float], g: GRPOConfig) -> list[float]:
+    """`group_advantages` as the config asks (grpo.scale_rewards, grpo.std): what the worker gives
+    each group and the learner each down-sampled group."""
+    return group_advantages(rewards, scale=g.scale_rewards, std=g.std)
+
+
 def zero_variance(rewards: list[float], tol: float = 1e-9) -> bool:
     return max(rewards) - min(rewards) <= tol if rewards else True
 

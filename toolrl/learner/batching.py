@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from toolrl.config import GRPOConfig
-from toolrl.grpo import group_advantages, max_variance_subset, zero_variance
+from toolrl.grpo import advantages, max_variance_subset, zero_variance
 from toolrl.protocol import Sample
 
 
@@ -111,7 +111,7 @@ def downsample(samples: list[Sample], g: GRPOConfig) -> tuple[list[Sample], int]
             if id(s) not in kept:  # not trained: no advantage (the signal metrics count it so)
                 s.advantage = 0.0
                 out.add(id(s))
-        for s, a in zip(keep, group_advantages([s.reward for s in keep], scale=g.scale_rewards, std=g.std)):
+        for s, a in zip(keep, advantages([s.reward for s in keep], g)):
             s.advantage = a
     return [s for s in samples if id(s) not in out], len(out)
 

@@ -16,7 +16,7 @@ import zlib
 
 from toolrl.config import Config
 from toolrl.executor.client import AsyncExecutorClient, ExecutorError
-from toolrl.grpo import group_advantages
+from toolrl.grpo import advantages
 from toolrl.metrics import summarize
 from toolrl.models import load_tokenizer, resolve_model
 from toolrl.prompts import load_chat_prompt
@@ -111,8 +111,7 @@ class Agent:
                                   logprobs=r.logprobs, rewards=rewards, reward=total, group_id=gid,
                                   policy_version=r.version_runs[0][1] if r.version_runs else version,
                                   version_runs=runs, stop_reason=r.stop_reason, tool_calls=r.tool_calls, text=text))
-        advs = group_advantages([s.reward for s in samples], scale=self.cfg.grpo.scale_rewards, std=self.cfg.grpo.std)
-        for s, a in zip(samples, advs):
+        for s, a in zip(samples, advantages([s.reward for s in samples], self.cfg.grpo)):
             s.advantage = a
         return samples
 
