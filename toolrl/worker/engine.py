@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,29 @@ def configure_cpu_env(cfg: Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if cfg.rollout.cpu_threads_bind is not None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cfg.rollout.cpu_threads_bind)
+
+
+def _executor_backend(backend: str | None, cpu: bool):
+    """vLLM's executor for `rollout.distributed_executor_backend`. vllm-cpu rewrites the name "uni"
+    to "mp" (a worker process of its own, so it can set that process's OpenMP threads); handing it
+    the class keeps the worker in the engine-core process, and `_cpu_threads` sets the threads."""
+    if cpu and backend == "uni":
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+        return UniProcExecutor
+    return backend
+
+
+@contextmanager
+def _cpu_threads(config, in_engine_core: bool):
+    """With the worker in the engine-core process, give that process the OpenMP threads and core
+    binding vLLM's multiprocess executor gives its worker process (`VLLM_CPU_OMP_THREADS_BIND`,
+    i.e. `rollout.cpu_threads_bind`): the process inherits them from this environment as it starts."""
+    if not in_engine_core:
+        yield
+        return
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+    with OMPProcessManager(config).configure_omp_envs(rank=0, local_rank=0):
+        yield
 
 
 @dataclass
@@ -56,6 +80,7 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         r = cfg.rollout
+        backend = r.distributed_executor_backend or ("uni" if cpu else None)
         args = AsyncEngineArgs(
             model=model_path, tokenizer=model_path, dtype=resolve_dtype(cfg.model.dtype),
             max_model_len=cfg.model.max_model_len, enable_prefix_caching=True,
@@ -72,9 +97,12 @@ class VllmEngine:
             # rewinds the request's generator with set_offset, which CPU generators lack ("CPU
             # Generator does not use offset"). Seeds are honoured on CPU only with prefills whole.
             enable_chunked_prefill=False if cpu and r.seeded else None,
+            distributed_executor_backend=_executor_backend(backend, cpu),
         )
         t0 = time.time()
-        self.llm = AsyncLLM.from_engine_args(args)
+        config = args.create_engine_config()
+        with _cpu_threads(config, cpu and backend == "uni"):
+            self.llm = AsyncLLM.from_vllm_config(config)
         self.start_s = time.time() - t0
         self.stops = stop_strings(r.stop_marker, r.stop_at_program_close)
         self.top_p = r.top_p

@@ -159,7 +159,8 @@ async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, 
             if serve_task.done():
                 serve_task.result()  # raises the bind error
             await asyncio.sleep(0.05)
-        reg = await ref.register(worker.worker_id, worker.public_url, worker.capabilities(), worker.version)
+        reg = await ref.register(worker.worker_id, worker.public_url, worker.capabilities(), worker.version,
+                                 wait_s=cfg.rollout.register_timeout_s)
         log.info("worker %s registered at %s (engine start %.0fs)", worker.worker_id, worker.public_url,
                  worker.agent.engine.start_s)
         if reg.get("resume_state") is not None:  # a resumed run: before the first problem is drawn
