@@ -32,31 +32,13 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-
-def tree_pids(root: int) -> list[int]:
-    """`root` and all its descendants."""
-    children: dict[int, list[int]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(pid))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
+from e2e_vs_trl import ROOT, cmdline, pss_mb, tree  # the process-tree readers of the end-to-end bench
 
 
 def tree_cpu_s(root: int) -> float:
     """CPU seconds (user + system) used so far by `root` and its live descendants."""
     tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for pid in tree_pids(root):
+    for pid in tree(root):
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
@@ -67,16 +49,7 @@ def tree_cpu_s(root: int) -> float:
 
 def tree_pss_mb(root: int) -> float:
     """PSS of `root` and all its descendants, in MB."""
-    total = 0.0
-    for pid in tree_pids(root):
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) / 1024
-                    break
-        except OSError:
-            pass
-    return total
+    return sum(pss_mb(pid) for pid in tree(root))
 
 
 def child(args) -> None:
@@ -104,7 +77,7 @@ def child(args) -> None:
 
     engine = VllmEngine(cfg, resolve_model(args.model))
     # this process and the engine's (multiprocessing's resource tracker is not the engine's)
-    processes = sum(1 for pid in tree_pids(os.getpid()) if "resource_tracker" not in _cmd(pid))
+    processes = sum(1 for pid in tree(os.getpid()) if "resource_tracker" not in cmdline(pid))
     pss_started = tree_pss_mb(os.getpid())
     peak = [pss_started]
     done = threading.Event()
@@ -138,13 +111,6 @@ def child(args) -> None:
                       "pss_started_mb": round(pss_started), "pss_peak_mb": round(peak[0]),
                       "tokens_per_s": round(total / best, 1), "cores_busy": round(cores, 2),
                       "stop_s": round(stop_s, 1)}), flush=True)
-
-
-def _cmd(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return ""
 
 
 def main() -> None:

