@@ -344,6 +344,11 @@ class LearnerConfig(Section):
     # Or stop sooner, when the next step would end past this many seconds of training (counted from
     # the first step; evaluations excluded): runs compared at the same wall-clock budget.
     time_budget_s: float | None = Field(None, gt=0)
+    # And stop before a step that would leave the final held-out evaluation (as long as the longest
+    # so far) ending past this many seconds of the learner's whole run: start-up, evaluations and
+    # training, counted from this process's start (a resumed run starts a new one). It bounds the
+    # whole command on a slow host, where evaluations take minutes, at the cost of steps there.
+    run_budget_s: float | None = Field(None, gt=0)
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)

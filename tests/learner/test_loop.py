@@ -81,6 +81,48 @@ def test_downsampling_in_the_loop_trains_the_most_varied_half_and_counts_every_r
     assert m["nonzero_advantage_frac"] == 0.5  # half the rollouts trained, each with an advantage
 
 
+def test_the_run_budget_counts_the_whole_run_and_keeps_time_for_the_final_evaluation(tmp_path, monkeypatch, capsys):
+    """learner.run_budget_s counts from the learner's start, evaluations included, and keeps the
+    final evaluation's time (as long as the longest so far) free. Each evaluation here takes 100 s
+    of a clock the stand-in evaluation moves on: with 150 s the run stops before step 1 (start-up and
+    one evaluation fit, but step 1 and the final evaluation would end past it), still evaluating
+    the policy it holds; with 250 s both steps run."""
+    import types
+    import time
+
+    import toolrl.learner.loop as loop
+
+    clock = types.SimpleNamespace(offset=0.0)
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(time=lambda: time.time() + clock.offset,
+                                                            sleep=time.sleep))
+    evaluated = []
+
+    def evaluate(cfg, workers, version, pushed=None):
+        clock.offset += 100.0
+        evaluated.append(version)
+        return {"accuracy": 0.5, "format_rate": 1.0, "tool_calls_per_answer": 1.0, "n_problems": 4,
+                "policy_version": version}
+
+    monkeypatch.setattr(loop, "evaluate_on_worker", evaluate)
+    for budget, steps in ((150, 0), (250, 2)):
+        cfg = load_config("configs/cpu_tiny.yaml", [
+            "logging.wandb_mode=disabled", "learner.dtype=float32", "grpo.beta=0", "learner.steps=2",
+            "learner.batch_samples=8", "learner.batch_tokens=100000", "learner.checkpoint_every=0",
+            "learner.batch_timeout_s=60", "eval.before_after=true", "ref_server.flow_control=false",
+            "ref_server.batch_wait_s=1", "ref_server.max_staleness=2", f"learner.run_budget_s={budget}"])
+        evaluated.clear()
+        with serve(create_app(cfg)) as url:
+            asyncio.run(upload(url, [group(f"g{i}", [1.0, 0.0, 0.0, 1.0]) for i in range(4)]))
+            loop.run(cfg.model_copy(update={"ref_server": cfg.ref_server.model_copy(update={"url": url})}),
+                     tmp_path / str(budget), resume=False)
+        metrics = tmp_path / str(budget) / "logs" / "metrics.jsonl"
+        assert (len(metrics.read_text().splitlines()) if metrics.exists() else 0) == steps
+        assert evaluated == [0, steps]  # before step 1, and after the last step taken
+        out = capsys.readouterr().out
+        stopped = "run budget:" in out and "the final evaluation about 100s; stopping after step 0" in out
+        assert stopped == (steps == 0)
+
+
 CATCH_UP_MAIN = """
 import json, os, sys
 from pathlib import Path

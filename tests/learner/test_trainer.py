@@ -421,6 +421,8 @@ def test_time_budget_stops_before_a_step_that_would_overrun_it():
     assert not out_of_time(600, 0, 0)  # the first step always runs
     assert not out_of_time(600, 400, 150)
     assert out_of_time(600, 500, 150)
+    # learner.run_budget_s: the final evaluation's time after the step counts too
+    assert not out_of_time(600, 300, 150, after_s=150) and out_of_time(600, 300, 150, after_s=151)
     tr = make_trainer()
     assert tr.all_agree(True) and not tr.all_agree(False)  # one rank: its own answer
 

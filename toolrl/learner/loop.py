@@ -49,7 +49,8 @@ def from_rank0(value, world: int):
     return box[0]
 
 
-def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
+def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None = None) -> None:
+    started = time.time() if started is None else started  # learner.run_budget_s counts from here
     ckpt_dir = run_dir / "checkpoints" if run_dir else Path(cfg.learner.checkpoint_dir)
     log_dir = run_dir / "logs" if run_dir else Path(cfg.logging.log_dir)
     if cfg.learner.cpu_cores and not torch.cuda.is_available():
@@ -138,9 +139,12 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
                     return
                 time.sleep(2)  # workers still starting, or a heartbeat behind
         monitor.log_eval(trainer.step, tag, res)
+        eval_s.append(time.time() - t)
         print(f"eval {tag} step {trainer.step} v{trainer.version}: accuracy {res['accuracy']:.3f} "
               f"format {res['format_rate']:.2f} tools/answer {res['tool_calls_per_answer']:.2f} "
-              f"on {res['n_problems']} problems x {cfg.eval.samples} ({time.time() - t:.0f}s)", flush=True)
+              f"on {res['n_problems']} problems x {cfg.eval.samples} ({eval_s[-1]:.0f}s)", flush=True)
+
+    eval_s: list[float] = []  # each held-out evaluation's seconds (rank 0): the final one is reserved
 
     if cfg.eval.before_after and trainer.step == 0:
         held_out("before")
@@ -153,6 +157,13 @@ def run(cfg: Config, run_dir: Path | None, resume: bool) -> None:
             if rank0:
                 print(f"time budget: {elapsed():.0f}s of {cfg.learner.time_budget_s:.0f}s used, and a step "
                       f"takes {last_step_s:.0f}s; stopping after step {trainer.step}", flush=True)
+            break
+        final_eval_s = max(eval_s, default=0.0) if cfg.eval.before_after else 0.0
+        if trainer.all_agree(out_of_time(cfg.learner.run_budget_s, time.time() - started, last_step_s, final_eval_s)):
+            if rank0:
+                print(f"run budget: {time.time() - started:.0f}s of {cfg.learner.run_budget_s:.0f}s used, a step "
+                      f"takes {last_step_s:.0f}s and the final evaluation about {final_eval_s:.0f}s; stopping "
+                      f"after step {trainer.step}", flush=True)
             break
         # A step trains on a full batch (batch_samples, within batch_tokens), each rank its share.
         want, budget = max(1, cfg.learner.batch_samples // world), cfg.learner.batch_tokens // world

@@ -53,7 +53,9 @@ class TeacherWeight:
         self.acc_ema = state.get("acc_ema")
 
 
-def out_of_time(budget_s: float | None, elapsed_s: float, last_step_s: float) -> bool:
-    """learner.time_budget_s: whether another step, as long as the last one, would end past it.
-    `elapsed_s` counts training time across resumes (kept in the checkpoint)."""
-    return budget_s is not None and elapsed_s + last_step_s > budget_s
+def out_of_time(budget_s: float | None, elapsed_s: float, last_step_s: float, after_s: float = 0.0) -> bool:
+    """Whether another step, as long as the last one, and then `after_s` more would end past the
+    budget. learner.time_budget_s: `elapsed_s` counts training time across resumes (kept in the
+    checkpoint), nothing after. learner.run_budget_s: `elapsed_s` is the whole run so far and
+    `after_s` the final held-out evaluation's expected time."""
+    return budget_s is not None and elapsed_s + last_step_s + after_s > budget_s
