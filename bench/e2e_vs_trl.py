@@ -123,6 +123,7 @@ def ensure_peer_venv() -> Path:
 def common_sets(budget_s: float, ports: dict) -> list[str]:
     return [f"executor.port={ports['executor']}", f"ref_server.port={ports['ref_server']}",
             f"rollout.port={ports['rollout']}", "learner.steps=1000000", f"learner.time_budget_s={budget_s:.0f}",
+            "learner.run_budget_s=null",  # the training budget alone decides (the demo's bound would cut long ones)
             "learner.checkpoint_every=0", "eval.before_after=false", "logging.dump_samples=true",
             "logging.wandb_mode=disabled", "logging.tensorboard=false"]
 
