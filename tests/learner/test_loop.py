@@ -86,7 +86,8 @@ def test_the_run_budget_counts_the_whole_run_and_keeps_time_for_the_final_evalua
     final evaluation's time (as long as the longest so far) free. Each evaluation here takes 100 s
     of a clock the stand-in evaluation moves on: with 150 s the run stops before step 1 (start-up and
     one evaluation fit, but step 1 and the final evaluation would end past it), still evaluating
-    the policy it holds; with 250 s both steps run."""
+    the policy it holds; with 250 s both steps run. learner.time_budget_s, checked at the same point,
+    counts training alone: a budget of 0.01 s lets the first step run and stops before the second."""
     import types
     import time
 
@@ -104,23 +105,29 @@ def test_the_run_budget_counts_the_whole_run_and_keeps_time_for_the_final_evalua
                 "policy_version": version}
 
     monkeypatch.setattr(loop, "evaluate_on_worker", evaluate)
-    for budget, steps in ((150, 0), (250, 2)):
+    cases = [("learner.run_budget_s=150", 0, "the final evaluation about 100s; stopping after step 0"),
+             ("learner.run_budget_s=250", 2, None),
+             ("learner.time_budget_s=0.01", 1, "time budget: ")]
+    for i, (budget, steps, said) in enumerate(cases):
         cfg = load_config("configs/cpu_tiny.yaml", [
             "logging.wandb_mode=disabled", "learner.dtype=float32", "grpo.beta=0", "learner.steps=2",
             "learner.batch_samples=8", "learner.batch_tokens=100000", "learner.checkpoint_every=0",
             "learner.batch_timeout_s=60", "eval.before_after=true", "ref_server.flow_control=false",
-            "ref_server.batch_wait_s=1", "ref_server.max_staleness=2", f"learner.run_budget_s={budget}"])
+            "ref_server.batch_wait_s=1", "ref_server.max_staleness=2", budget])
         evaluated.clear()
         with serve(create_app(cfg)) as url:
             asyncio.run(upload(url, [group(f"g{i}", [1.0, 0.0, 0.0, 1.0]) for i in range(4)]))
             loop.run(cfg.model_copy(update={"ref_server": cfg.ref_server.model_copy(update={"url": url})}),
-                     tmp_path / str(budget), resume=False)
-        metrics = tmp_path / str(budget) / "logs" / "metrics.jsonl"
-        assert (len(metrics.read_text().splitlines()) if metrics.exists() else 0) == steps
+                     tmp_path / str(i), resume=False)
+        metrics = tmp_path / str(i) / "logs" / "metrics.jsonl"
+        assert (len(metrics.read_text().splitlines()) if metrics.exists() else 0) == steps, budget
         assert evaluated == [0, steps]  # before step 1, and after the last step taken
         out = capsys.readouterr().out
-        stopped = "run budget:" in out and "the final evaluation about 100s; stopping after step 0" in out
-        assert stopped == (steps == 0)
+        if said is None:
+            assert "budget:" not in out
+        else:
+            assert said in out and f"; stopping after step {steps}" in out, out[-1000:]
+        assert ("run budget:" in out) == budget.startswith("learner.run_budget_s=150")
 
 
 CATCH_UP_MAIN = """

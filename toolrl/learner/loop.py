@@ -123,6 +123,8 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
                 sync.catch_up(lambda: named, trainer.version, behind)
         return trainer.all_agree(drawing)
 
+    eval_s: list[float] = []  # each held-out evaluation's seconds (rank 0): the final one is reserved
+
     def held_out(tag: str) -> None:
         """A held-out evaluation (the `eval` section) on a live worker holding the current policy.
         Rank 0 only; a failure is logged, never fatal to training."""
@@ -144,8 +146,6 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
               f"format {res['format_rate']:.2f} tools/answer {res['tool_calls_per_answer']:.2f} "
               f"on {res['n_problems']} problems x {cfg.eval.samples} ({eval_s[-1]:.0f}s)", flush=True)
 
-    eval_s: list[float] = []  # each held-out evaluation's seconds (rank 0): the final one is reserved
-
     if cfg.eval.before_after and trainer.step == 0:
         held_out("before")
     # training time counts across resumes, so a time budget is one budget for the whole run
@@ -153,17 +153,17 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
     elapsed = lambda: time.time() - train_t0  # noqa: E731
     while trainer.step < cfg.learner.steps:
         t0 = time.time()
-        if trainer.all_agree(out_of_time(cfg.learner.time_budget_s, elapsed(), last_step_s)):
-            if rank0:
-                print(f"time budget: {elapsed():.0f}s of {cfg.learner.time_budget_s:.0f}s used, and a step "
-                      f"takes {last_step_s:.0f}s; stopping after step {trainer.step}", flush=True)
-            break
+        used_s, run_s, why = elapsed(), t0 - started, None
         final_eval_s = max(eval_s, default=0.0) if cfg.eval.before_after else 0.0
-        if trainer.all_agree(out_of_time(cfg.learner.run_budget_s, time.time() - started, last_step_s, final_eval_s)):
+        if out_of_time(cfg.learner.time_budget_s, used_s, last_step_s):
+            why = (f"time budget: {used_s:.0f}s of {cfg.learner.time_budget_s:.0f}s used, and a step takes "
+                   f"{last_step_s:.0f}s")
+        elif out_of_time(cfg.learner.run_budget_s, run_s, last_step_s, final_eval_s):
+            why = (f"run budget: {run_s:.0f}s of {cfg.learner.run_budget_s:.0f}s used, a step takes "
+                   f"{last_step_s:.0f}s and the final evaluation about {final_eval_s:.0f}s")
+        if trainer.all_agree(why is not None):  # one all-reduce for both budgets
             if rank0:
-                print(f"run budget: {time.time() - started:.0f}s of {cfg.learner.run_budget_s:.0f}s used, a step "
-                      f"takes {last_step_s:.0f}s and the final evaluation about {final_eval_s:.0f}s; stopping "
-                      f"after step {trainer.step}", flush=True)
+                print(f"{why or 'another rank is out of its budget'}; stopping after step {trainer.step}", flush=True)
             break
         # A step trains on a full batch (batch_samples, within batch_tokens), each rank its share.
         want, budget = max(1, cfg.learner.batch_samples // world), cfg.learner.batch_tokens // world
