@@ -42,14 +42,16 @@ demo: install
 	$(PY) -m toolrl.models --model smollm2-135m-instruct "Explain in one sentence what a Python interpreter does."
 	./launch.sh --config configs/cpu_demo.yaml
 
-# Serial on purpose: the suite already keeps a 2-core VM 1.4 cores busy on average (its end-to-end
-# tests run several processes each), so pytest-xdist -n 2 measured 30:05 against 33:38 serial
-# (2026-11-27, AMD EPYC avx2) and ran one two-rank DeepSpeed test 13x longer.
+# Two pytest processes (-n 2), each test file whole on one of them (module fixtures start once and
+# tests in a file run in order); then, alone, the tests marked `serial`: two learner ranks whose gloo
+# collectives busy-wait, 13x slower beside another test. On the 2-core AMD EPYC (avx2) on 2026-11-28
+# this took 23:31 against 33:52 with everything serial, back to back.
+PYTEST := $(PY) -m pytest -q -ra
 test: install
-	$(PY) -m pytest -q -ra
+	$(PYTEST) -n 2 --dist loadfile -m "not serial"; s=$$?; $(PYTEST) -m serial || s=1; exit $$s
 
 test-fast: install
-	$(PY) -m pytest -q -ra -m "not slow"
+	$(PYTEST) -n 2 --dist loadfile -m "not slow and not serial"; s=$$?; $(PYTEST) -m "serial and not slow" || s=1; exit $$s
 
 lint: install
 	$(PY) -m ruff check .

@@ -4,6 +4,7 @@ import asyncio
 import json
 import random
 
+import pytest
 
 from toolrl.config import load_config
 from toolrl.protocol import Sample
@@ -186,6 +187,7 @@ loop.run(cfg, out / "run", resume=False)
 """
 
 
+@pytest.mark.serial  # two gloo ranks busy-wait: alone, or 13x slower
 def test_zero3_ranks_catch_a_late_worker_up_together(tmp_path):
     """Under ZeRO-3 export_state is a collective gather, so a catch-up push while the ranks draw
     their batch needs every rank: rank 0 decides, all take part in the export, rank 0 sends. Here
