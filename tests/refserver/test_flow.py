@@ -2,6 +2,7 @@
 import asyncio
 import time
 
+import pytest
 
 from procs import serve  # tests/ is on sys.path (conftest)
 from test_ref_server import config, mk
@@ -80,6 +81,44 @@ def test_flow_control_off_grants_everything():
             async with AsyncRefServerClient(url) as c:
                 return [await c.grant("w", 64) for _ in range(5)]
         assert asyncio.run(go()) == [(True, None)] * 5
+
+
+@pytest.mark.parametrize("flow", ["true", "false"])
+def test_once_the_learner_finishes_no_group_starts_until_it_trains_again(flow):
+    """The learner's finish (POST /version with finished) ends every grant, with flow control on or
+    off, and heartbeat answers tell the workers; a waiting grant request is answered without room at
+    once; a version announced again (a resumed learner) opens the room again."""
+    cfg = config(flow_control=flow, max_staleness=1, _extra=["learner.batch_samples=4"])  # limit 8
+    with serve(create_app(cfg)) as url, RefServerClient(url) as learner:
+        async def go():
+            async with AsyncRefServerClient(url) as c:
+                reg = await c.register("w1", "http://127.0.0.1:1")
+                assert reg["training_over"] is False
+                ok, g1 = await c.grant("w1", 4)
+                assert ok
+                t0 = time.time()
+                waiting = asyncio.create_task(c.grant("w1", 4, wait_s=20))
+                await asyncio.sleep(0.3)
+                if flow == "true":  # 4 granted of 8: the second fits at once
+                    assert waiting.done()
+                    waiting = asyncio.create_task(c.grant("w1", 1, wait_s=20))
+                    await asyncio.sleep(0.3)
+                    assert not waiting.done()  # no room left: it waits
+                answer = await asyncio.to_thread(learner.finish, 0)
+                assert answer["finished"] is True
+                if flow == "true":
+                    assert await waiting == (False, None) and time.time() - t0 < 5  # told at once
+                assert await c.grant("w1", 1) == (False, None)
+                assert (await c.heartbeat("w1", 0))["training_over"] is True
+                assert (await c.stats())["training_over"] is True
+                if g1 is not None:
+                    assert await c.give_back(g1)  # room for 4 again, were training on
+                assert await c.grant("w1", 1) == (False, None)
+                await asyncio.to_thread(learner.set_version, 1)  # a resumed learner trains again
+                assert (await c.heartbeat("w1", 0))["training_over"] is False
+                got = await c.grant("w1", 1)
+                assert got[0] is True and (got[1] is None) == (flow == "false")
+        asyncio.run(go())
 
 
 def test_stale_drops_are_counted_against_the_policy_samples_received():

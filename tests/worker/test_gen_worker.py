@@ -428,3 +428,35 @@ def test_seeded_requests_repeat_their_tokens_whatever_else_the_engine_runs(stack
     runs = [httpx.post(f"{url}/probe", json={"prompt_ids": prompt, "max_tokens": 12, "seed": seed},
                        timeout=300).json()["token_ids"] for seed in (1, 2, 3, 1)]
     assert runs[3] == runs[0] and len({tuple(r) for r in runs[:3]}) > 1, runs  # the seed, not chance
+
+
+def test_the_learners_finish_stops_the_rollouts_in_flight_until_it_trains_again(stack):
+    """Last in this module (production stops for a while). The learner says it has finished: at its
+    next heartbeat the worker cancels its groups in flight, whose requests leave the engine, and
+    starts none; a version announced again (a resumed learner) restarts production."""
+    from toolrl.refserver.client import RefServerClient
+
+    url = stack["worker"]
+    stats = lambda: httpx.get(f"{url}/stats", timeout=10).json()  # noqa: E731
+    with RefServerClient(stack["ref"]) as ref:
+        version = httpx.get(f"{stack['ref']}/workers", timeout=10).json()["learner_version"]
+        deadline = time.time() + 300
+        while stats()["generating_requests"] == 0:  # room for the worker: it has rollouts in the engine
+            assert time.time() < deadline, _diagnose(stack)
+            ref.get_batch(64, 1 << 20, wait_s=1)
+        ref.finish(version)
+        deadline = time.time() + 30  # a heartbeat (5 s) and the cancellation
+        while not ((s := stats())["stopped_at_end"] >= 1 and s["inflight_groups"] == 0
+                   and s["generating_requests"] == 0):
+            assert time.time() < deadline, _diagnose(stack)
+            time.sleep(0.5)
+        ref.get_batch(64, 1 << 20, wait_s=1)  # room again, were training still on
+        time.sleep(3)
+        s = stats()
+        assert s["inflight_groups"] == 0 and s["generating_requests"] == 0, s
+        assert "the learner finished training: stopped" in stack["procs"][1].log.read_text()
+        ref.set_version(version)
+        deadline = time.time() + 30
+        while stats()["generating_requests"] == 0:
+            assert time.time() < deadline, _diagnose(stack)
+            time.sleep(0.5)

@@ -67,3 +67,33 @@ def run_plain(p, n):
     async def go():
         return [g async for g in p.produce(n_groups=n)]
     return asyncio.run(go())
+
+
+def test_the_end_of_training_stops_the_groups_in_flight_and_starts_none_until_training_resumes():
+    """The learner finished: the groups in flight are cancelled (their engine requests with them: vLLM
+    aborts a cancelled request), counted apart from aborts, their grants given back, and no group
+    starts, even where the flow grants one; when training resumes the producer goes on."""
+    p = producer("rollout.prompts_per_step=3")
+    p.flow = Flow(room=10)
+
+    async def go():
+        p.agent.hold = asyncio.Event()  # rollouts wait until told
+        gen = p.produce()
+        nxt = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.05)
+        assert p.inflight == 3 and len(p.flow.held) == 3
+        assert p.end_training() == 3 and p.end_training() == 0  # once
+        await asyncio.sleep(0.05)
+        assert p.inflight == 0 and not p.flow.held and len(p.flow.given_back) == 3
+        asked = p.flow.asked
+        await asyncio.sleep(0.05)  # there is room, yet nothing starts and nothing is asked
+        assert p.inflight == 0 and p.groups == 3 and p.flow.asked == asked and not p.flow.held
+        assert not nxt.done()
+        p.end_training(False)  # a resumed learner: groups start again and finish
+        p.agent.hold.set()
+        group = await asyncio.wait_for(nxt, 5)
+        await gen.aclose()
+        return group
+
+    assert len(asyncio.run(go())) == 4
+    assert p.stats.stopped_at_end == 3 and p.stats.aborted_groups == 0

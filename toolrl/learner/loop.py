@@ -232,6 +232,11 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         named = state()  # every rank: a ZeRO-3 gather is collective
         if rank0:
             sync.push(named, trainer.version)
+    if rank0:  # workers stop their rollouts now: nothing will train them, and the final evaluation gets the engine
+        try:
+            ref.finish(trainer.version)
+        except Exception as exc:  # a worker that goes on generating costs time, not correctness
+            log.warning("could not tell the reference server that training is over: %s", exc)
 
     if cfg.learner.checkpoint_every == 0 or trainer.step % cfg.learner.checkpoint_every:
         checkpoint()

@@ -85,6 +85,7 @@ class ResumeBody(BaseModel):
 class VersionBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=0)
+    finished: bool = False  # the learner trains no more: no group may start (until a version without it)
 
 
 class GrantBody(BaseModel):
@@ -120,6 +121,7 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
             "uploads_ahead_of_learner": 0}
     rejected_by_field: dict[str, int] = {}  # 400s for a sample's content, by the field at fault
     version_known = [False]  # has the learner announced its version since this server started?
+    finished = [False]  # has the learner said it trains no more? Workers stop their rollouts then
     bodies = ByteBudget(BODY_BUDGET_UPLOADS * rs.max_upload_bytes, "upload bodies")
     started = time.monotonic()
     tasks: list[asyncio.Task] = []
@@ -134,6 +136,7 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
                 "ref_tokens_per_s": ref["tokens_per_s_last_60s"], "workers_live": len(registry)}
         if grants is not None:
             flat["flow_in_flight"] = grants.in_flight
+        flat["training_over"] = finished[0]
         return {**flat, "queue": q, "reference": {**ref, **leases.stats()}, "workers": registry.stats(),
                 "flow": grants.stats() if grants is not None else None,
                 "http": {**http, "rejected_by_field": dict(rejected_by_field), "body_bytes_held": bodies.held},
@@ -316,7 +319,12 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     @app.post("/version", dependencies=auth)
     async def set_version(body: VersionBody):
         old, dropped = announce(body.version)
-        return {"version": body.version, "previous": old, "dropped_stale": dropped}
+        if body.finished != finished[0]:
+            finished[0] = body.finished
+            log.info("the learner %s at v%d", "finished training: no more groups start" if body.finished
+                     else "trains again: groups may start", body.version)
+            queue.notify()  # grant requests waiting for room look again
+        return {"version": body.version, "previous": old, "dropped_stale": dropped, "finished": finished[0]}
 
     @app.post("/workers", dependencies=auth)
     async def register(body: RegisterBody):
@@ -326,7 +334,8 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
             raise HTTPException(status_code=exc.status, detail=str(exc)) from None
         log.info("worker %s registered at %s (policy v%d)", w.id, w.url, w.policy_version)
         return {**w.public(time.monotonic()), "ttl_s": rs.worker_ttl_s,
-                "learner_version": queue.core.learner_version, "resume_state": handed_back(w.id)}
+                "learner_version": queue.core.learner_version, "training_over": finished[0],
+                "resume_state": handed_back(w.id)}
 
     @app.post("/workers/{worker_id}/heartbeat", dependencies=auth)
     async def heartbeat(worker_id: str, body: HeartbeatBody | None = None):
@@ -337,7 +346,7 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         if w is None:
             raise HTTPException(status_code=404, detail=f"unknown or expired worker {worker_id!r}; register again")
         return {"ok": True, "ttl_s": rs.worker_ttl_s, "learner_version": queue.core.learner_version,
-                "resume_state": handed_back(w.id)}
+                "training_over": finished[0], "resume_state": handed_back(w.id)}
 
     def handed_back(worker_id: str) -> dict[str, Any] | None:
         state = registry.take_resume_state(worker_id)
@@ -363,18 +372,22 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     @app.post("/grants", dependencies=auth)
     async def grant(body: GrantBody):
         """Room to start one group (toolrl.refserver.flow), waiting up to wait_s for it; 204 without.
-        With flow control off every request is granted."""
-        if grants is None:
+        With flow control off every request is granted; once the learner has finished, none is."""
+        if grants is None and not finished[0]:
             return {"grant_id": None, "n": body.n}
         core = queue.core
         got: list[str | None] = [None]
 
         def room() -> bool:
+            if finished[0]:
+                return False
+            if grants is None:  # flow control off: the learner trains again
+                return True
             got[0] = grants.take(body.worker_id, body.n, core.samples, core.delivered_since_version)
             return got[0] is not None
         if not await queue.wait_until(room, body.wait_s):
-            return Response(status_code=204, headers={"X-Flow-Capacity": str(
-                grants.capacity(core.samples, core.delivered_since_version))})
+            room_left = 0 if finished[0] else grants.capacity(core.samples, core.delivered_since_version)
+            return Response(status_code=204, headers={"X-Flow-Capacity": str(room_left)})
         return {"grant_id": got[0], "n": body.n}
 
     @app.delete("/grants/{grant_id}", dependencies=auth)

@@ -197,10 +197,12 @@ class AsyncRefServerClient:
     async def keep_registered(self, worker_id: str, url: str, capabilities: dict[str, Any],
                               policy_version: Callable[[], int], interval_s: float = 5.0,
                               state: Callable[[], dict[str, Any] | None] | None = None,
-                              on_resume: Callable[[dict[str, Any]], None] | None = None) -> None:
+                              on_resume: Callable[[dict[str, Any]], None] | None = None,
+                              on_training_over: Callable[[bool], None] | None = None) -> None:
         """Register, then heartbeat every `interval_s` and re-register when forgotten. Runs until cancelled;
         server trouble is logged and retried, never raised. `state()` is sent with every heartbeat;
-        `on_resume(state)` gets the resume state an answer carries (its errors are logged, not raised)."""
+        `on_resume(state)` gets the resume state an answer carries, `on_training_over(over)` whether
+        the learner has finished (`finish`) (their errors are logged, not raised)."""
         registered = False
         while True:
             try:
@@ -218,6 +220,11 @@ class AsyncRefServerClient:
                         on_resume(answer["resume_state"])
                     except Exception:  # noqa: BLE001 - a bad state must not end the heartbeats
                         log.exception("could not apply the resume state of worker %s", worker_id)
+                if on_training_over is not None:
+                    try:
+                        on_training_over(bool(answer.get("training_over", False)))
+                    except Exception:  # noqa: BLE001 - as above
+                        log.exception("worker %s could not act on the end of training", worker_id)
             except (RefServerUnavailable, RefServerError) as exc:
                 log.warning("registry: %s", exc)
             await asyncio.sleep(interval_s)
@@ -283,6 +290,14 @@ class RefServerClient:
         """Announce the learner's policy version (the server drops what it makes stale, and refuses
         samples claiming a newer one)."""
         answer = self._request("POST", "/version", json={"version": version}).json()
+        self.version = version
+        return answer
+
+    def finish(self, version: int) -> dict[str, Any]:
+        """Say training is over at `version`: no group starts from now on, and workers stop the rollouts
+        they have in flight (told in their heartbeat answers), so nothing competes with a final
+        evaluation. Announcing a version again (`set_version`, a resumed learner) lifts it."""
+        answer = self._request("POST", "/version", json={"version": version, "finished": True}).json()
         self.version = version
         return answer
 

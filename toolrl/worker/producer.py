@@ -41,6 +41,7 @@ class Stats:
     zero_std_groups: int = 0
     dropped_groups: int = 0
     aborted_groups: int = 0
+    stopped_at_end: int = 0  # groups in flight when the learner finished: stopped, never trained
     failed_groups: int = 0
     teacher_traces: int = 0
     unscored_groups: int = 0  # code tasks whose tests the executor could not run
@@ -106,6 +107,7 @@ class Producer:
         self.flow: Flow | None = None  # flow control (set by the training worker); None: no limit
         self._grants: dict[int, str] = {}  # id(yielded group) -> its grant, until uploaded
         self._pending: dict = {}  # the groups in flight (produce)
+        self.training_over = False  # the learner has finished: no group starts (end_training)
         self._failures = 0  # groups in a row that raised
         # What one group uploads, which is what its grant asks for: its rollouts and teacher traces.
         self.group_samples = cfg.rollout.group_size + (cfg.teacher.traces_per_group if self._teacher else 0)
@@ -227,13 +229,16 @@ class Producer:
         self._pending = pending
         started = 0
         while True:
-            while len(pending) < width and (n_groups is None or started < n_groups):
+            while len(pending) < width and (n_groups is None or started < n_groups) and not self.training_over:
                 grant = None
                 if self.flow is not None:
                     # With groups in flight only a quick look: their results must not wait on the server.
                     ok, grant = await self.flow.grant(0.0 if pending else GRANT_WAIT_S)
                     if not ok:
                         self.stats.flow_waits += 1
+                        break
+                    if self.training_over:  # granted just before the learner finished
+                        await self.give_back(grant)
                         break
                 index, problem = self.next_problem()
                 task = asyncio.create_task(self.rollout_group(problem, index))
@@ -244,6 +249,8 @@ class Producer:
             if not pending:
                 if n_groups is not None and started >= n_groups:
                     return
+                if self.training_over:
+                    await asyncio.sleep(FLOW_RECHECK_S)  # until the learner trains again (end_training)
                 continue  # no room yet: the grant request above waited on the server; ask again
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED,
                                          timeout=FLOW_RECHECK_S if self.flow is not None else None)
@@ -260,7 +267,8 @@ class Producer:
     def _result(self, task: asyncio.Task) -> list[Sample] | None:
         """A finished group task's group, or None when it is left out (and counted)."""
         if task.cancelled():
-            self.stats.aborted_groups += 1
+            if not self.training_over:  # else counted in stopped_at_end
+                self.stats.aborted_groups += 1
             return None
         if task.exception() is not None:
             # One broken group must not take the worker down; a persistent failure must.
@@ -276,6 +284,22 @@ class Producer:
             self.stats.dropped_groups += 1
             return None
         return group
+
+    def end_training(self, over: bool = True) -> int:
+        """The learner has finished (`over`), or trains again. Finished: the groups in flight stop now
+        (their requests aborted in the engine, their grants given back) and no new one starts (the
+        reference server grants none either), so nothing competes with the final evaluation on the
+        engine. -> groups stopped."""
+        if over == self.training_over:
+            return 0
+        self.training_over = over
+        if not over:
+            return 0
+        stopping = [t for t in self._pending if not t.done()]
+        for t in stopping:
+            t.cancel()
+        self.stats.stopped_at_end += len(stopping)
+        return len(stopping)
 
     @property
     def inflight(self) -> int:

@@ -81,6 +81,17 @@ class GenWorker:
             return
         log.info("resumed problem stream at level %d, problem %d", self.producer.level, self.producer.drawn)
 
+    def training_over(self, over: bool) -> None:
+        """What the reference server says in each heartbeat answer: has the learner finished?"""
+        if over == self.producer.training_over:
+            return
+        stopped = self.producer.end_training(over)
+        if over:
+            log.info("the learner finished training: stopped %d rollout groups in flight; serving "
+                     "evaluations and weight updates only", stopped)
+        else:
+            log.info("the learner trains again: producing groups")
+
     def capabilities(self) -> dict:
         return {"model": self.cfg.model.name, "max_model_len": self.cfg.model.max_model_len,
                 "group_size": self.cfg.rollout.group_size, "tools": ["python"]}
@@ -171,7 +182,8 @@ async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, 
         # checkpoints it) and apply a resume state that arrives later (the learner resumed after we registered).
         hb = asyncio.create_task(ref.keep_registered(worker.worker_id, worker.public_url, worker.capabilities(),
                                                      lambda: worker.version, cfg.rollout.heartbeat_s,
-                                                     state=worker.producer.state, on_resume=worker.resume))
+                                                     state=worker.producer.state, on_resume=worker.resume,
+                                                     on_training_over=worker.training_over))
         learner_version = int(reg.get("learner_version", 0) or 0)
         if learner_version > worker.version:
             # A late joiner waits for the current weights before producing anything.
