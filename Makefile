@@ -42,16 +42,18 @@ demo: install
 	$(PY) -m toolrl.models --model smollm2-135m-instruct "Explain in one sentence what a Python interpreter does."
 	./launch.sh --config configs/cpu_demo.yaml
 
-# Two pytest processes (-n 2), each test file whole on one of them (module fixtures start once and
-# tests in a file run in order); then, alone, the tests marked `serial`: two learner ranks whose gloo
-# collectives busy-wait, 13x slower beside another test. On the 2-core AMD EPYC (avx2) on 2026-11-28
-# this took 23:31 against 33:52 with everything serial, back to back.
+# Two pytest processes (-n 2), each test file whole on one of them (its module fixtures start once,
+# its tests run in order); then, alone, the tests marked `serial`: two learner ranks whose gloo
+# collectives busy-wait, 13x slower beside another test. On the 2-core AMD EPYC (avx2), 2026-11-28:
+# 25:49 against 33:52 with everything serial. (Keeping the whole-system files off each other needs
+# --dist loadgroup, which pytest-xdist 3.8 cannot do under pytest 9.2: its group never reaches the test id.)
 PYTEST := $(PY) -m pytest -q -ra
+PARALLEL := -n 2 --dist loadfile
 test: install
-	$(PYTEST) -n 2 --dist loadfile -m "not serial"; s=$$?; $(PYTEST) -m serial || s=1; exit $$s
+	$(PYTEST) $(PARALLEL) -m "not serial"; s=$$?; $(PYTEST) -m serial || s=1; exit $$s
 
 test-fast: install
-	$(PYTEST) -n 2 --dist loadfile -m "not slow and not serial"; s=$$?; $(PYTEST) -m "serial and not slow" || s=1; exit $$s
+	$(PYTEST) $(PARALLEL) -m "not slow and not serial"; s=$$?; $(PYTEST) -m "serial and not slow" || s=1; exit $$s
 
 lint: install
 	$(PY) -m ruff check .

@@ -378,14 +378,12 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         core = queue.core
         got: list[str | None] = [None]
 
-        def room() -> bool:
-            if finished[0]:
-                return False
-            if grants is None:  # flow control off: the learner trains again
+        def answered() -> bool:  # room for the group, or the learner has finished (no room until it trains again)
+            if finished[0] or grants is None:
                 return True
             got[0] = grants.take(body.worker_id, body.n, core.samples, core.delivered_since_version)
             return got[0] is not None
-        if not await queue.wait_until(room, body.wait_s):
+        if not await queue.wait_until(answered, body.wait_s) or finished[0]:
             room_left = 0 if finished[0] else grants.capacity(core.samples, core.delivered_since_version)
             return Response(status_code=204, headers={"X-Flow-Capacity": str(room_left)})
         return {"grant_id": got[0], "n": body.n}
