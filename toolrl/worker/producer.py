@@ -303,8 +303,8 @@ class Producer:
 
     @property
     def inflight(self) -> int:
-        """Groups being rolled out now."""
-        return len(self._pending)
+        """Groups being rolled out now (a finished one waiting for the uploader to ask for it is not)."""
+        return sum(not t.done() for t in self._pending)
 
     def take_grant(self, group: list[Sample]) -> str | None:
         """The flow-control grant of a yielded group: its upload ends it."""
