@@ -373,13 +373,15 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     async def grant(body: GrantBody):
         """Room to start one group (toolrl.refserver.flow), waiting up to wait_s for it; 204 without.
         With flow control off every request is granted; once the learner has finished, none is."""
-        if grants is None and not finished[0]:
+        if finished[0]:
+            return Response(status_code=204, headers={"X-Flow-Capacity": "0"})
+        if grants is None:
             return {"grant_id": None, "n": body.n}
         core = queue.core
         got: list[str | None] = [None]
 
-        def answered() -> bool:  # room for the group, or the learner has finished (no room until it trains again)
-            if finished[0] or grants is None:
+        def answered() -> bool:  # room for the group, or the learner finished while we waited
+            if finished[0]:
                 return True
             got[0] = grants.take(body.worker_id, body.n, core.samples, core.delivered_since_version)
             return got[0] is not None
