@@ -44,9 +44,10 @@ demo: install
 
 # Two pytest processes (-n 2), each test file whole on one of them (its module fixtures start once,
 # its tests run in order); then, alone, the tests marked `serial`: two learner ranks whose gloo
-# collectives busy-wait, 13x slower beside another test. On the 2-core AMD EPYC (avx2), 2026-11-28:
-# 25:49 against 33:52 with everything serial. (Keeping the whole-system files off each other needs
-# --dist loadgroup, which pytest-xdist 3.8 cannot do under pytest 9.2: its group never reaches the test id.)
+# collectives busy-wait, 13x slower beside another test. tests/conftest.py gives each process one
+# torch thread, keeps the three whole-system files together on one process and hands out the
+# costliest files first. On the 2-core AMD EPYC (avx2), 2026-11-28: 22:39 (25:34 before those
+# three changes, 33:52 with everything serial).
 PYTEST := $(PY) -m pytest -q -ra
 PARALLEL := -n 2 --dist loadfile
 test: install
