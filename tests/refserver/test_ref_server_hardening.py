@@ -32,8 +32,14 @@ async def _stall(port: int, length: int, send: int):
     return r, w
 
 
+RESET = b"connection reset"
+
+
 async def _trickle(port: int) -> bytes:
-    """A client that sends a byte every 0.2 s, forever: never idle, never done. Returns the answer."""
+    """A client that sends a byte every 0.2 s, forever: never idle, never done. Returns the answer, or
+    RESET where the connection was reset: the server closes with the client's last bytes unread, and
+    TCP then resets rather than closes (RFC 7230 6.6), which can discard the answer before it is read
+    (seen once in the full suite under load)."""
     r, w = await asyncio.open_connection("127.0.0.1", port)
     w.write(_head(port, 1 << 20))
 
@@ -49,6 +55,8 @@ async def _trickle(port: int) -> bytes:
     dripping = asyncio.create_task(drip())
     try:
         return await r.read()
+    except ConnectionResetError:
+        return RESET
     finally:
         dripping.cancel()
         w.close()
@@ -83,7 +91,8 @@ def test_stalled_uploads_neither_block_others_nor_hold_on():
 
         replies, waited = asyncio.run(main())
         stats = httpx.get(f"{url}/stats").json()
-    for reply in replies:
+    *stalled_replies, trickled = replies
+    for reply in stalled_replies + ([] if trickled == RESET else [trickled]):
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
         assert b"not complete within 3s" in reply
     assert deadline - 0.5 <= waited < deadline + 3
