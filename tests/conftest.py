@@ -11,7 +11,7 @@ from procs import stop_all  # noqa: E402
 # Under `make test`'s two pytest processes (pytest-xdist) each runs torch on one thread: with
 # torch's default of one thread per core in both, their spinning OpenMP threads fought over the two
 # cores and a learner test ran 5-20x slower than alone (tests/learner/test_trainer.py: 427 s ->
-# 97 s in the suite, 2026-11-28). Only this process: the services a test starts keep their own
+# 94 s in the suite, 2026-11-28). Only this process: the services a test starts keep their own
 # thread settings, which tests check.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
