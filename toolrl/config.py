@@ -366,9 +366,15 @@ class LearnerConfig(Section):
     dtype: Literal["bfloat16", "float32", "auto"] = "bfloat16"  # DeepSpeed's mixed precision; "auto" as model.dtype
     gradient_checkpointing: bool = False
     # CPU only: pin the learner to these cores, one torch thread each. Measured on 2 cores with one
-    # vLLM worker (bench/placement.py, docs/BENCHMARKS.md): the learner on its own core trained 14%
-    # fewer samples an hour than the learner unpinned on both (it is the slower side), so None.
+    # vLLM worker (bench/placement.py, docs/BENCHMARKS.md): on the AVX512 host the learner on its own
+    # core trained 14% fewer samples an hour than unpinned on both; on the AVX2 host 21% more, and
+    # adaptive_threads more still. None.
     cpu_cores: list[int] | None = None
+    # CPU only: the learner's torch threads follow the load of the rest of the machine, re-measured
+    # twice a second: one per core the engine (and anything else) leaves idle
+    # (toolrl/learner/cpu_threads.py). On in the CPU recipes; off here, so a learner alone on its
+    # machine (a GPU node's CPU fallback, a test) keeps torch's own count.
+    adaptive_threads: bool = False
     # compute each distinct prompt once per micro-batch and share its KV cache across the group's
     # completions (same values and gradients; off when gradient_checkpointing is on)
     share_prompts: bool = True

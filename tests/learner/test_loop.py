@@ -2,9 +2,11 @@
 what the loop itself decides about a batch, apart from the trainer's step."""
 import asyncio
 import json
+import os
 import random
 
 import pytest
+import torch
 
 from toolrl.config import load_config
 from toolrl.protocol import Sample
@@ -47,6 +49,7 @@ def test_dynamic_sampling_in_the_loop_draws_past_flat_groups(tmp_path):
         "ref_server.batch_wait_s=1", "grpo.dynamic_sampling=true", "grpo.max_draws=3"])
     flat = [group("flat-0", [1.0] * 4), group("flat-1", [0.0] * 4)]
     signal = [group("sig-0", [1.0, 0.0, 0.0, 1.0]), group("sig-1", [0.0, 1.0, 1.0, 1.0])]
+    threads = torch.get_num_threads()
     with serve(create_app(cfg)) as url:
         asyncio.run(upload(url, flat + signal))  # first in, first out: the flat groups come first
         run(cfg.model_copy(update={"ref_server": cfg.ref_server.model_copy(update={"url": url})}),
@@ -56,6 +59,10 @@ def test_dynamic_sampling_in_the_loop_draws_past_flat_groups(tmp_path):
     m = rows[0]
     assert (m["samples_drawn"], m["dynamic_sampling_dropped"], m["samples"]) == (16, 8, 8)
     assert m["samples_no_signal"] == 0
+    # the CPU recipes' adaptive threads (learner.adaptive_threads): the step's mean thread count is
+    # recorded, and the process gets its own count back when the run ends
+    assert cfg.learner.adaptive_threads and 1.0 <= m["learner_threads"] <= len(os.sched_getaffinity(0))
+    assert torch.get_num_threads() == threads
 
 
 def test_downsampling_in_the_loop_trains_the_most_varied_half_and_counts_every_rollout(tmp_path):

@@ -15,6 +15,7 @@ import torch
 
 from toolrl.config import Config
 from toolrl.learner.batching import downsample, gather_batch
+from toolrl.learner.cpu_threads import ThreadGovernor
 from toolrl.learner.dist_env import check_shared_dir
 from toolrl.learner.monitor import Monitor, step_line
 from toolrl.learner.schedules import TeacherWeight, out_of_time
@@ -59,6 +60,10 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         log.info("pinned to cores %s, %d torch threads", cfg.learner.cpu_cores, torch.get_num_threads())
 
     trainer = Trainer(cfg, resolve_model(cfg.model.name))
+    governor = None
+    if cfg.learner.adaptive_threads and not torch.cuda.is_available():
+        governor = ThreadGovernor().start()
+        log.info("adaptive threads before %d layers", governor.attach(trainer.module))
     rank0 = trainer.rank == 0  # the global rank 0: on node 0, with the reference server and the workers
     world = trainer.world_size
     if world > 1:
@@ -184,7 +189,12 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         # PODS: the step trains on each group's most varied rollouts; its statistics (accuracy, the
         # teacher's decay) count every rollout generated
         trained, downsampled = downsample(batch, cfg.grpo)
+        if governor:
+            governor.apply()
+            governor.mean_threads()  # the step's mean counts from here
         metrics = trainer.train_step(trained, w_teacher=teacher_weight.value)
+        if governor:
+            metrics.update(learner_threads=governor.mean_threads(), learner_thread_switches=governor.switches)
         t2 = time.time()
         synced = {}
         if trainer.step % cfg.learner.sync_every == 0:
@@ -247,6 +257,8 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         summary = {"steps": trainer.step, "policy_version": trainer.version, "samples": trainer.samples_seen,
                    "skipped_steps": trainer.skipped_steps, "export": str(export)}
         print(json.dumps(summary), flush=True)
+    if governor:
+        governor.stop()
     monitor.close()
     ref.close()
     trainer.close()
