@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -345,6 +346,9 @@ def run_ours(name: str, extra_sets: list[str], budget_s: float, run_dir: Path, d
         "export": str(run_dir / "export"),
     }
     (run_dir / "bench_readings.json").write_text(json.dumps({"result": res, "readings": rows}))
+    # the learner's final checkpoint (weights and optimizer states: 2.7-4 GB in fp32) is no part of the
+    # result, and a few runs' worth filled this host's disk mid-benchmark; the export stays for the evaluation
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     log(f"{name}: {res['steps']} steps, {res['policy_samples_trained']} policy samples in {window:.0f}s "
         f"({res['policy_samples_per_hour']:.0f}/h), peak PSS {res['peak_pss_mb']:.0f} MB, "
         f"stale {res['stale_drop_fraction']}")
