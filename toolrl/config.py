@@ -367,8 +367,8 @@ class LearnerConfig(Section):
     gradient_checkpointing: bool = False
     # CPU only: pin the learner to these cores, one torch thread each. Measured on 2 cores with one
     # vLLM worker (bench/placement.py, docs/BENCHMARKS.md): on the AVX512 host the learner on its own
-    # core trained 14% fewer samples an hour than unpinned on both; on the AVX2 host 21% more, and
-    # adaptive_threads more still. None.
+    # core trained 14% fewer samples an hour than unpinned on both; on the AVX2 host's plain task 21%
+    # more, and adaptive_threads 34% more. None.
     cpu_cores: list[int] | None = None
     # CPU only: the learner's torch threads follow the load of the rest of the machine, re-measured
     # twice a second: one per core the engine (and anything else) leaves idle
