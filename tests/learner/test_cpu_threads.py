@@ -77,11 +77,13 @@ def test_own_work_is_not_counted_as_load():
         t.start()
     try:
         time.sleep(1.5)
-        seen = []
+        seen, others = [], []
         for _ in range(8):
             time.sleep(0.25)
             seen.append(gov.target)
-        assert max(seen) == gov.ncpu and gov.others_cores < 0.5, (seen, gov.others_cores)
+            others.append(gov.others_cores)
+        # at least once in 2 s (a shared CI machine's noise may cross the threshold now and then)
+        assert max(seen) == gov.ncpu and min(others) < 0.5, (seen, others)
     finally:
         stop.set()
         gov.stop()
