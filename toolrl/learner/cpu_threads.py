@@ -9,11 +9,11 @@ first step: 103 s on two threads against 150 s on one; docs/BENCHMARKS.md, 2026-
 fixed count suits both phases, and a run goes through both every step.
 
 How: a background thread reads every allowed core's busy time (/proc/stat) less this process's own
-CPU time (/proc/self/stat): what the rest of the machine used, in cores. The thread count is that
+CPU time (`time.process_time`, every thread): what the rest of the machine used, in cores. The thread count is that
 many cores fewer than the learner may use (a core counts as taken from `busy_cores` of load on).
 OpenMP's thread count belongs to the thread that sets it, so the count is applied on the training
 thread: before each decoder layer's forward and backward (module and tensor hooks; CPU backward
-runs on the thread that called it) and before the optimizer step.
+runs on the thread that called it), and by the loop before each step.
 """
 from __future__ import annotations
 
@@ -42,13 +42,6 @@ def cpu_busy_jiffies(cpus: set[int]) -> tuple[int, int]:
             total += sum(ticks)
             busy += sum(ticks) - ticks[3] - ticks[4]
     return busy, total
-
-
-def own_jiffies() -> int:
-    """This process's CPU time (every thread, user + system) in clock ticks."""
-    with open("/proc/self/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
 
 
 def threads_for(others_cores: float, ncpu: int, busy_cores: float = 0.35) -> int:
@@ -90,10 +83,10 @@ class ThreadGovernor:
     def _run(self) -> None:
         tick = os.sysconf("SC_CLK_TCK")
         busy0, _ = cpu_busy_jiffies(self.cpus)
-        own0, t0 = own_jiffies(), time.monotonic()
+        own0, t0 = time.process_time(), time.monotonic()
         while not self._stop.wait(self.interval_s):
-            busy1, own1, t1 = cpu_busy_jiffies(self.cpus)[0], own_jiffies(), time.monotonic()
-            others = max(0.0, (busy1 - busy0) - (own1 - own0)) / tick / max(t1 - t0, 1e-3)
+            busy1, own1, t1 = cpu_busy_jiffies(self.cpus)[0], time.process_time(), time.monotonic()
+            others = max(0.0, (busy1 - busy0) / tick - (own1 - own0)) / max(t1 - t0, 1e-3)
             self.others_cores = others
             self.target = threads_for(others, self.ncpu, self.busy_cores)
             busy0, own0, t0 = busy1, own1, t1
