@@ -76,9 +76,9 @@ def main() -> None:
     log(f"{len(chosen)} placements x {args.repeats} on {ncpu} cores ({' '.join(flags)}), {dtype}, "
         f"{args.budget_s:.0f} s of training each, in {out}")
     results: dict[str, list[dict]] = {p: [] for p in chosen}
+    task = plain_task() if args.task == "plain" else []
     for r in range(args.repeats):
         for p in chosen:
-            task = plain_task() if args.task == "plain" else []
             res = run_ours(f"{p}-{r + 1}", task + known[p], args.budget_s, out / f"{p}-{r + 1}", dtype)
             keep = ("policy_samples_per_hour", "samples_trained", "policy_samples_trained", "window_s", "steps",
                     "gen_tok_s", "learner_tok_s", "peak_pss_mb", "host_gflops", "stale_drop_fraction")
