@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -107,6 +108,23 @@ def test_ipc_and_abstract_sockets_stay_inside_their_session_and_run(c):
     assert c.execute(MAKE).stdout == "made\n"
     for _ in range(3):  # what a one-shot run made ends with it, in whichever slot runs next
         assert c.execute(LOOK).stdout == "False False refused\n"
+
+
+NETNS = "import os\nprint(os.readlink('/proc/self/ns/net'))"
+
+
+def test_each_lane_keeps_one_network_namespace_of_its_own(c):
+    """A lane's runners join the namespace the zygote made for it once (a new one per run cost ~14%
+    of the service's CPU), so one-shot runs reuse their slot's: no more namespaces than slots, none
+    shared with a session or the sandbox, and one per session, the same in each of its blocks."""
+    host = os.readlink("/proc/self/ns/net") + "\n"
+    a = {c.execute(NETNS, session_id=sid("ns-a")).stdout for _ in range(3)}
+    b = c.execute(NETNS, session_id=sid("ns-b")).stdout
+    one_shot = {c.execute(NETNS).stdout for _ in range(12)}
+    slots = c._http.get("/health").json()["workers"] + 2
+    assert len(a) == 1 and b not in a and all(ns.startswith("net:[") for ns in one_shot | a), (a, b, one_shot)
+    assert 1 <= len(one_shot) <= slots and not one_shot & (a | {b}), (one_shot, slots)
+    assert host not in one_shot | a | {b}
 
 
 # A block that writes the runner's report itself, as the runner frames it, with a NaN CPU time.

@@ -1,5 +1,5 @@
 """The Linux calls the fork server's processes and the runners share: ctypes wrappers for what the
-os module lacks (unshare, mount, prctl), and the few process operations every one of them does the
+os module lacks (unshare, setns, mount, prctl), and the few process operations every one of them does the
 same way (kill, drop to a uid, per-process limits, a wakeup pipe for SIGCHLD).
 """
 from __future__ import annotations
@@ -32,6 +32,11 @@ def unshare(flags: int) -> None:
     _check(_libc.unshare(ctypes.c_int(flags)), f"unshare({flags:#x})")
 
 
+def setns(fd: int, nstype: int) -> None:
+    """Join the namespace `fd` refers to (os.setns only exists from Python 3.12)."""
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), f"setns({nstype:#x})")
+
+
 def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     enc = lambda s: s.encode() if s is not None else None  # noqa: E731
     _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
@@ -42,8 +47,8 @@ def umount(target: str) -> None:
     _check(_libc.umount2(target.encode(), ctypes.c_int(2)), f"umount {target}")  # MNT_DETACH
 
 
-def prctl(option: int, arg: int) -> None:
-    _check(_prctl(option, arg, 0, 0, 0), f"prctl({option})")
+def prctl(option: int, arg: int, arg3: int = 0) -> None:
+    _check(_prctl(option, arg, arg3, 0, 0), f"prctl({option})")
 
 
 def become(uid: int) -> None:

@@ -24,7 +24,7 @@ class Lane:
         self.seccomp = seccomp  # filter the code's syscalls (toolrl.executor.runner.seccomp)
 
     def for_child(self) -> dict:
-        return {"uid": self.uid, "workdir": self.workdir, "cgroup_procs": self.procs,
+        return {"name": self.name, "uid": self.uid, "workdir": self.workdir, "cgroup_procs": self.procs,
                 "pdeathsig": self.pdeathsig, "unshare": self.unshare, "seccomp": self.seccomp}
 
 
@@ -34,10 +34,13 @@ class LaneFactory:
         ns = report["namespaces"]
         self.private_mounts = bool(ns.get("mountns"))
         self.pdeathsig = not ns.get("pidns")
-        # Each runner (a one-shot run, or a whole session) gets its own IPC and network namespaces:
-        # SysV segments and message queues die with the run instead of outliving it in the slot or
-        # crossing into another session, and abstract unix sockets are seen by the run alone.
-        # Where the sandbox itself has none of a kind, the runner cannot make one either.
+        # Each runner (a one-shot run, or a whole session) gets its own IPC namespace: SysV segments
+        # and message queues die with the run instead of outliving it in the slot or crossing into
+        # another session. Each lane gets its own network namespace, made once by the zygote and
+        # joined by each of the lane's runners (forkserver/zygote.py): abstract unix sockets are
+        # seen by the lane alone, and none outlives the processes holding it, which are all dead
+        # before the lane runs again. Where the sandbox itself has none of a kind, runners cannot
+        # make one either.
         self.unshare = (CLONE_NEWIPC if ns.get("ipcns") else 0) | (CLONE_NEWNET if ns.get("netns") else 0)
         self.seccomp = bool(report.get("seccomp"))
         self.cgroups = cgroups

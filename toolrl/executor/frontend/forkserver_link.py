@@ -56,7 +56,10 @@ class ForkServerLink:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
                "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(toolrl.__file__))),
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "NUMEXPR_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # nothing of ours (tokens, keys) gets in
+               "NUMEXPR_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+               # symbols resolved once at load, in the zygotes, not lazily again in every runner
+               # (each lazy lookup writes the GOT: a copy-on-write fault; ~0.25 ms a run measured)
+               "LD_BIND_NOW": "1"}  # nothing of ours (tokens, keys) gets in
         self.proc = subprocess.Popen([sys.executable, "-m", "toolrl.executor.forkserver", str(child.fileno())],
                                      pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, close_fds=True)

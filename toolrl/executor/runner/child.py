@@ -1,7 +1,8 @@
 """The runner: what a runner process does between the fork server's fork() and its _exit().
 
-Root phase (before any job): join the lane's cgroups, enter new IPC and network namespaces, put
-the pipes on fds 0-4, close every other inherited fd, enter the private working directory. (Signal
+Root phase (before any job): join the lane's cgroups and network namespace, enter a new IPC
+namespace, put the pipes on fds 0-4, close every other inherited fd, enter the private working
+directory. (Signal
 dispositions, no_new_privs, the environment and the stdio objects come ready from the zygote.) Then
 it blocks on the job pipe. With the job: rlimits, drop to the lane's uid, stdin, run the code as a
 script in one globals dict (so `import math` then `def f(): math.sqrt(...)` works), kill what it
@@ -27,7 +28,7 @@ import types
 
 from toolrl.executor import ipc
 from toolrl.executor.runner import seccomp
-from toolrl.executor.syscalls import PR_SET_PDEATHSIG, become, prctl, unshare
+from toolrl.executor.syscalls import CLONE_NEWNET, PR_SET_PDEATHSIG, become, prctl, setns, unshare
 
 RESULT_FD, JOB_FD = 3, 4
 SETUP_FAILED = 121  # exit code: the sandbox could not be set up; no user code ran
@@ -104,8 +105,12 @@ def _root_phase(lane: dict, fds: tuple[int, ...]) -> dict:
             os.write(fd, b"0")
         finally:
             os.close(fd)
-    if lane.get("unshare"):  # the run's own IPC and network namespaces (toolrl.executor.forkserver.lanes)
-        unshare(lane["unshare"])
+    flags = lane.get("unshare", 0)  # namespaces of the run's own (forkserver/lanes.py)
+    if lane.get("netns_fd") is not None:  # the lane's network namespace, made once by the zygote
+        setns(lane["netns_fd"], CLONE_NEWNET)
+        flags &= ~CLONE_NEWNET
+    if flags:
+        unshare(flags)
     if fds[0] == 4 and min(fds[1:]) >= 5:  # the zygote's layout: no source is a target of a later dup2
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
