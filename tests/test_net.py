@@ -1,9 +1,11 @@
 """The services' HTTP layer: a request's headers have a deadline (uvicorn alone has none)."""
+import asyncio
 import re
 import socket
 import threading
 import time
 
+import pytest
 import uvicorn
 from fastapi import FastAPI
 
@@ -11,13 +13,19 @@ from procs import free_port  # tests/ is on sys.path (conftest)
 from toolrl import net
 
 
-def serve_in_thread(monkeypatch, deadline_s=0.5):
+def serve_in_thread(monkeypatch, deadline_s=0.5, parser="auto"):
     monkeypatch.setattr(net, "HEADER_TIMEOUT_S", deadline_s)
     app = FastAPI()
     app.get("/")(lambda: {"ok": True})
+
+    @app.get("/slow")
+    async def slow():  # answers after the header deadline: only the headers are timed
+        await asyncio.sleep(deadline_s * 1.6)
+        return {"ok": True}
+
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           http=net.http_protocol()))
+                                           http=net.http_protocol(parser)))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.01)
@@ -45,8 +53,16 @@ def read_response(sock, timeout_s=5.0) -> bytes:
     return data
 
 
-def test_half_sent_headers_are_cut_off_and_whole_requests_are_served(monkeypatch):
-    server, port = serve_in_thread(monkeypatch)
+def test_the_c_parser_is_used_where_installed():
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    assert issubclass(net.http_protocol(), HttpToolsProtocol)
+    with pytest.raises(ValueError, match="unknown HTTP parser"):
+        net.http_protocol("fast")
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_half_sent_headers_are_cut_off_and_whole_requests_are_served(monkeypatch, parser):
+    server, port = serve_in_thread(monkeypatch, parser=parser)
     try:
         stalled = socket.create_connection(("127.0.0.1", port))
         stalled.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
@@ -54,6 +70,8 @@ def test_half_sent_headers_are_cut_off_and_whole_requests_are_served(monkeypatch
         assert closed_within(stalled, 5) and time.time() - t0 < 2
         kept = socket.create_connection(("127.0.0.1", port))
         kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b'{"ok":true}' in read_response(kept)
+        kept.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
         assert b'{"ok":true}' in read_response(kept)
         time.sleep(0.2)
         kept.sendall(b"GET / HT")  # the next request on the kept-alive connection stalls
