@@ -154,6 +154,11 @@ def test_gain_and_loss_differ_only_in_a_verb_the_teacher_never_uses():
         assert g_question == l_question and g_head.split(", and then ")[0] == l_head.split(", and then ")[0]
     for cue in ("joins", "gift", "picks", "takes on", "fly away", "loses", "wilt", "unloads"):
         assert cue in " ".join(KINDS["gain"].templates + KINDS["loss"].templates) and cue not in taught
+    # nor does the question's ending: a taught a·b + c question ends "... now?", and SFT on it
+    # moved both free kinds toward plus
+    endings = {" ".join(t.rstrip("?").split()[-2:]) for k in TAUGHT_KINDS for t in KINDS[k].templates}
+    for t in KINDS["gain"].templates + KINDS["loss"].templates:
+        assert " ".join(t.rstrip("?").split()[-2:]) not in endings and not t.endswith("now?"), t
 
 
 def test_the_default_stream_is_unchanged_and_naming_the_taught_kinds_changes_nothing():

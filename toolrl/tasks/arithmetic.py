@@ -109,21 +109,24 @@ class Kind:
 
 
 # The teacher-free kinds: the taught operations a·b + c and a·b − c in new wordings. Each scene is
-# worded twice, once gaining c and once losing it, with the same question ("... now?"), so only the
-# verb says which operation it is, in verbs the taught templates never use. Measured on a policy that
+# worded twice, once gaining c and once losing it, with the same question, so only the verb says
+# which operation it is, in verbs the taught templates never use. The question ("... after that?")
+# ends as no taught template does: with "... now?", which one taught a·b + c template uses, SFT on
+# the taught kinds moved both free kinds toward plus (docs/RESULTS.md, the proof of 2026-11-25).
+# Measured on a policy that
 # the teacher had trained on levels 1-3 (docs/RESULTS.md, "Teacher-free kinds"): gain 0.67, loss
 # 0.25, so groups have reward variance from the start and there is room above. New operations
 # (division, c − a·b, (a + b)·c, a + b, a − b, a·b·c, a·b ± c·d) were solved 0-5% of the time
 # there: no group would have had reward variance, so they are not kinds here.
 _SCENES = [  # (setting, what is gained, what is lost, the question)
     ("A beekeeper has {a} hives with {b} bees in each hive", "a swarm of {c} bees joins them",
-     "{c} of the bees fly away", "How many bees does the beekeeper have now?"),
+     "{c} of the bees fly away", "How many bees does the beekeeper have after that?"),
     ("A collector fills {a} albums with {b} stamps each", "a friend gives her {c} stamps as a gift",
-     "she loses {c} stamps in a move", "How many stamps does the collector have now?"),
+     "she loses {c} stamps in a move", "How many stamps does the collector have after that?"),
     ("A florist arranges {a} vases of {b} roses each", "she picks {c} roses from her garden",
-     "{c} of the roses wilt and are thrown out", "How many roses does the florist have now?"),
+     "{c} of the roses wilt and are thrown out", "How many roses does the florist have after that?"),
     ("A ship loads {a} containers of {b} tons each", "it takes on {c} tons of fuel",
-     "it unloads {c} tons at the first port", "How many tons does the ship carry now?"),
+     "it unloads {c} tons at the first port", "How many tons does the ship carry after that?"),
 ]
 
 
