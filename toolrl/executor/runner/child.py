@@ -2,11 +2,10 @@
 
 Root phase (before any job): join the lane's cgroups and network namespace, enter a new IPC
 namespace, put the pipes on fds 0-4, close every other inherited fd, enter the private working
-directory. (Signal
-dispositions, no_new_privs, the environment and the stdio objects come ready from the zygote.) Then
-it blocks on the job pipe. With the job: rlimits, drop to the lane's uid, stdin, run the code as a
-script in one globals dict (so `import math` then `def f(): math.sqrt(...)` works), kill what it
-left behind, report, exit.
+directory. (Signal dispositions, no_new_privs, the environment and the stdio objects come ready from
+the zygote.) Then it blocks on the job pipe. With the job: rlimits, drop to the lane's uid, stdin,
+run the code as a script in one globals dict (so `import math` then `def f(): math.sqrt(...)`
+works), kill what it left behind, report, exit.
 
 A session runner keeps its globals and reads the next job instead of exiting.
 
