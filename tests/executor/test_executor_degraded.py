@@ -53,6 +53,10 @@ def test_without_per_slot_uids_runs_are_serial_and_still_swept(tmp_path):
                           timeout_s=1)
             assert r.status == "timeout" and c.health()
             assert c.execute("print('after')").stdout == "after\n"
+            # runners that stay root could change a network namespace they share (bring lo up, set
+            # sysctls): without uids each run gets a new one, not its lane's
+            nets = [c.execute("import os\nprint(os.readlink('/proc/self/ns/net'))").stdout for _ in range(4)]
+            assert len(set(nets)) == 4 and all(n.startswith("net:[") for n in nets), nets
 
 
 def test_without_a_tmpfs_per_lane_cleanup_still_leaves_nothing_and_survives_deep_trees(tmp_path):

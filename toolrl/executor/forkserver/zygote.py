@@ -116,6 +116,13 @@ def _main(sock: socket.socket, preimport: list[str], base_path: list[str]) -> No
         except Exception as exc:  # an optional module (numpy, sympy) that is not installed
             missing.append(f"{name}: {type(exc).__name__}")
     devnull = os.open(os.devnull, os.O_RDONLY)  # fd 4: with 0-4 taken, every pipe end is >= 5
+    # One pidfd per live runner and one namespace fd per lane: up to the hard limit, not the usual
+    # soft 1024 (runners set their own limit before any code runs)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass
     reaper = _Reaper()
     netns = _LaneNetns()
     child.prepare_parent(base_path, reaper.handled)
@@ -228,8 +235,11 @@ class _LaneNetns:
         self.fds: dict[str, int] = {}
 
     def fd(self, lane: dict) -> int | None:
-        """The lane's namespace fd (inherited by the runner); None: the runner makes its own."""
-        if self.own is None or not lane.get("unshare", 0) & CLONE_NEWNET:
+        """The lane's namespace fd (inherited by the runner); None: the runner makes its own.
+
+        Only for lanes with a uid of their own: a runner that stays root (no uid drop) could change
+        the namespace itself (bring `lo` up, set sysctls), so it gets a new one every run."""
+        if self.own is None or lane.get("uid") is None or not lane.get("unshare", 0) & CLONE_NEWNET:
             return None
         fd = self.fds.get(lane["name"])
         if fd is None:
