@@ -73,6 +73,14 @@ def test_half_sent_headers_are_cut_off_and_whole_requests_are_served(monkeypatch
         assert b'{"ok":true}' in read_response(kept)
         kept.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
         assert b'{"ok":true}' in read_response(kept)
+        kept.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" * 2)  # pipelined: both answered
+        got, t0 = b"", time.time()
+        while got.count(b'{"ok":true}') < 2 and time.time() - t0 < 5:
+            chunk = kept.recv(1 << 16)
+            if not chunk:
+                break
+            got += chunk
+        assert got.count(b'{"ok":true}') == 2, got
         time.sleep(0.2)
         kept.sendall(b"GET / HT")  # the next request on the kept-alive connection stalls
         t0 = time.time()

@@ -225,7 +225,8 @@ def http_protocol(parser: str = "auto"):
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
+            # not while a pipelined request, its headers already read, is being answered
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
                 self._arm()
 
         if parser == "h11":
