@@ -111,11 +111,11 @@ class Kind:
 # The teacher-free kinds: the taught operations a·b + c and a·b − c in new wordings. Each scene is
 # worded twice, once gaining c and once losing it, with the same question, so only the verb says
 # which operation it is, in verbs the taught templates never use. The question ("... after that?")
-# ends as no taught template does: with "... now?", which one taught a·b + c template uses, SFT on
-# the taught kinds moved both free kinds toward plus (docs/RESULTS.md, the proof of 2026-11-25).
-# Measured on a policy that
-# the teacher had trained on levels 1-3 (docs/RESULTS.md, "Teacher-free kinds"): gain 0.67, loss
-# 0.25, so groups have reward variance from the start and there is room above. New operations
+# ends as no taught template does ("... now?" is a taught a·b + c ending). That removed one cue, not
+# the drift: SFT on the taught kinds still moves both free kinds toward plus (docs/RESULTS.md).
+# Measured on a policy that the teacher had trained on levels 1-3 (docs/RESULTS.md, "Teacher-free
+# kinds"; the old question): gain 0.67, loss 0.25, so groups have reward variance from the start
+# and there is room above. New operations
 # (division, c − a·b, (a + b)·c, a + b, a − b, a·b·c, a·b ± c·d) were solved 0-5% of the time
 # there: no group would have had reward variance, so they are not kinds here.
 _SCENES = [  # (setting, what is gained, what is lost, the question)
