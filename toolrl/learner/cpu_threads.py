@@ -9,8 +9,9 @@ first step: 103 s on two threads against 150 s on one; docs/BENCHMARKS.md, 2026-
 fixed count suits both phases, and a run goes through both every step.
 
 How: a background thread reads every allowed core's busy time (/proc/stat) less this process's own
-CPU time (`time.process_time`, every thread): what the rest of the machine used, in cores. The thread count is that
-many cores fewer than the learner may use (a core counts as taken from `busy_cores` of load on).
+CPU time (`time.process_time`, every thread): what the rest of the machine used, in cores. The
+thread count is that many cores fewer than the learner may use (a core counts as taken from
+`busy_cores` of load on).
 OpenMP's thread count belongs to the thread that sets it, so the count is applied on the training
 thread: before each decoder layer's forward and backward (module and tensor hooks; CPU backward
 runs on the thread that called it), and by the loop before each step.

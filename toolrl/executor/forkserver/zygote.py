@@ -223,9 +223,11 @@ class _LaneNetns:
     """One network namespace per lane, made here on the lane's first fork and joined by each of its
     runners (setns), instead of a new one per runner. Making a network namespace costs ~1 ms of the
     runner's CPU and tearing it down more in a kernel worker (measured: 14% of the service's CPU per
-    trivial run). Reuse keeps the guarantee: what a runner can leave in one without privileges is
-    sockets, and they die with the processes holding them, all of which are killed before the lane
-    runs again. Bounded by the number of lanes (slots + session indexes)."""
+    trivial run). Reuse keeps the guarantee that matters: what a runner can leave in one without
+    privileges is sockets, which die with the processes holding them, all killed before the lane runs
+    again, and the namespace's counters (a covert channel to a later run of the lane, as the host's
+    own figures are; docs/EXECUTOR.md, "Not covered"). Bounded by the number of lanes (slots +
+    session indexes)."""
 
     def __init__(self):
         try:
