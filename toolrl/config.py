@@ -64,6 +64,10 @@ class DataConfig(Section):
     # taught, free (the kinds the teacher never demonstrates: gain, loss) and all;
     # a kind named twice comes twice as often. None: the taught kinds, one per level (as always)
     kinds: list[str] | None = None
+    # Arithmetic, training stream only: problem i of gain and of loss are twins, the same scene with the
+    # same numbers, so a step that has both sees two questions that differ in the verb alone and a lean
+    # toward one operator earns on one twin what it loses on the other (the GRPO proof's arm b)
+    twin_free_kinds: bool = False
 
 
 class PromptConfig(Section):

@@ -198,6 +198,23 @@ def test_the_stream_draws_the_kinds_named_in_turn():
     assert problem_stream(DataConfig(level=2, max_level=3, kinds=["gain", "product_plus"], mix_levels=True), "w0")
 
 
+def test_twin_free_kinds_pair_each_gain_problem_with_its_loss_twin():
+    """data.twin_free_kinds: gain's and loss's problem i share scene and numbers, so only the verb
+    (and the answer, by 2c) tells them apart; off, they are drawn apart; the taught kinds are as before."""
+    d = DataConfig(level=3, max_level=3, mix_levels=True, kinds=["taught", "free", "free"])
+    pairs = lambda data: [(g, lo) for g, lo in itertools.pairwise(itertools.islice(problem_stream(data, "w0"), 70))  # noqa: E731
+                          if (g.meta["kind"], lo.meta["kind"]) == ("gain", "loss")]
+    twins, apart = pairs(d.model_copy(update={"twin_free_kinds": True})), pairs(d)
+    assert len(twins) == len(apart) == 20
+    for g, lo in twins:
+        assert g.meta["numbers"] == lo.meta["numbers"] and g.question != lo.question
+        assert g.question.split(", and then ")[0] == lo.question.split(", and then ")[0]
+        assert int(g.answer) - int(lo.answer) == 2 * g.meta["numbers"]["c"]
+    assert sum(g.meta["numbers"] == lo.meta["numbers"] for g, lo in apart) == 0
+    taught = lambda data: [p.id for p in itertools.islice(problem_stream(data, "w0"), 70) if p.meta["taught"]]  # noqa: E731
+    assert taught(d.model_copy(update={"twin_free_kinds": True})) == taught(d)
+
+
 def test_heldout_selects_kinds_and_stays_apart_from_training():
     d = DataConfig(level=1)
     free = load_task("arithmetic:1-3@free", 6, 5, d)

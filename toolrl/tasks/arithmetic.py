@@ -183,13 +183,15 @@ def arithmetic_problem(seed: int, level: int, index: int) -> Problem:
                    meta={"expression": expr, "numbers": nums, "kind": _TAUGHT_NAMES[level], "taught": True})
 
 
-def kind_problem(seed: int, kind: str, index: int) -> Problem:
+def kind_problem(seed: int, kind: str, index: int, twins: bool = False) -> Problem:
     """Problem `index` of the stream (seed, kind). A taught kind's problems are its level's
-    (arithmetic_problem), so naming the taught kinds changes no problem."""
+    (arithmetic_problem), so naming the taught kinds changes no problem. `twins`: the teacher-free
+    kinds draw from one random stream, so problem `index` of gain and of loss is the same scene with
+    the same numbers (their scenes are listed in the same order and their numbers drawn alike)."""
     k = KINDS[kind]
     if k.taught:
         return arithmetic_problem(seed, k.level, index)
-    rng = random.Random(f"arith:{seed}:{kind}:{index}")
+    rng = random.Random(f"arith:{seed}:{'free' if twins else kind}:{index}")
     nums = k.numbers(rng)
     template = rng.choice(k.templates)
     expr = k.expression.format(**nums)
@@ -215,14 +217,15 @@ def mixed_stream(seed: int, top: int) -> Iterator[Problem]:
     return (arithmetic_problem(seed, i % top + 1, i // top) for i in itertools.count())
 
 
-def kinds_stream(seed: int, kinds: Sequence[str]) -> Iterator[Problem]:
+def kinds_stream(seed: int, kinds: Sequence[str], twins: bool = False) -> Iterator[Problem]:
     """The kinds in turn, each its own stream (a kind listed twice comes twice as often, never with
-    the same problem twice). The taught kinds of levels 1..top are mixed_stream(seed, top) exactly."""
+    the same problem twice). The taught kinds of levels 1..top are mixed_stream(seed, top) exactly.
+    `twins` (data.twin_free_kinds): gain's and loss's problem i are twins (kind_problem)."""
     drawn: dict[str, int] = {}
     for kind in itertools.cycle(kinds):
         i = drawn.get(kind, 0)
         drawn[kind] = i + 1
-        yield kind_problem(seed, kind, i)
+        yield kind_problem(seed, kind, i, twins)
 
 
 def kinds_at(kinds: Sequence[str], levels, what: str) -> list[str]:
@@ -360,7 +363,8 @@ class ArithmeticTask(Task):
         # every level the curriculum can reach must have a kind, checked now rather than at a promotion
         for lv in range(data.level, data.max_level + 1):
             kinds_at(kinds, range(1, lv + 1) if data.mix_levels else [lv], f"data.kinds at level {lv}")
-        return kinds_stream(seed, kinds_at(kinds, range(1, level + 1) if data.mix_levels else [level], "data.kinds"))
+        return kinds_stream(seed, kinds_at(kinds, range(1, level + 1) if data.mix_levels else [level], "data.kinds"),
+                            data.twin_free_kinds)
 
     def heldout(self, arg: str, n: int, seed: int, data: DataConfig) -> list[Problem]:
         task = f"{self.name}:{arg}" if arg else self.name
