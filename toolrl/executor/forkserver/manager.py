@@ -521,7 +521,7 @@ class ForkServer(SessionRunners):
         return n > seen
 
     # -- cleaning up after a lane ---------------------------------------------------------------------
-    def ensure_empty(self, lane: Lane, then, attempt: int = 0) -> None:
+    def ensure_empty(self, lane: Lane, then, attempt: int = 0, swept: bool = True) -> None:
         """Call then(ok) once nothing of the lane is alive; kills from outside when needed.
 
         With per-lane uids the sweeper kills (kill(-1) as the uid: atomic with respect to fork).
@@ -551,11 +551,11 @@ class ForkServer(SessionRunners):
             sweep_descendants(protect, self.proc_consistent)
             then(True)
             return
-        elif attempt >= 1:
-            then(True)
+        elif attempt >= 1:  # no cgroup to count the lane's tasks: the sweeper's own check says
+            then(swept)
             return
         self.sweeps.setdefault(lane.uid, []).append(
-            lambda ok: self.at(0.002 * attempt, lambda: self.ensure_empty(lane, then, attempt + 1)))
+            lambda ok: self.at(0.002 * attempt, lambda: self.ensure_empty(lane, then, attempt + 1, ok)))
         if len(self.sweeps[lane.uid]) == 1:
             self.sweeper.request(lane.uid)
 

@@ -131,7 +131,20 @@ class SessionRunners:
         elif s.kill_note is None:
             self.lost[s.index] = f"the session's process ended between blocks ({why})"
         s.proc, s.state = None, "cleaning"
-        self.at(0, lambda: self.ensure_empty(s.lane, lambda ok: self.session_cleaned(s)))
+        self.at(0, lambda: self.clean_session(s))
+
+    def clean_session(self, s: Session) -> None:
+        """Free the session's index once nothing of its lane is alive. A lane the sweeps could not
+        empty keeps its index (state "cleaning": a block at it waits) and is swept again a second
+        later, as a slot goes down: its uid and lane must not pass to a new session while a process
+        of the old one lives."""
+        def then(ok: bool) -> None:
+            if ok:
+                self.session_cleaned(s)
+            else:
+                log.error("session %d: its lane still has live processes; the index stays out of use", s.index)
+                self.at(1.0, lambda: self.clean_session(s))
+        self.ensure_empty(s.lane, then)
 
     def session_cleaned(self, s: Session) -> None:
         try:
