@@ -119,6 +119,42 @@ def test_summary_breaks_kinds_down_and_the_teacher_free_ones_together():
     assert "by_kind" not in summarize(plain, {p.id: groups[p.id] for p in plain}, [1])
 
 
+def test_summary_says_which_sign_the_answers_applied_and_whether_the_verb_decided_it():
+    """For a·b ± c kinds, by_kind[k]["applied"] counts plus / minus / other from each boxed answer,
+    and by_kind_set.free.verb_reading is P(minus | loss) - P(minus | gain): a lean toward one sign
+    reads 0 however many it solves."""
+    problems = load_task("arithmetic:1-3@all", 10, 3, DataConfig())  # product .. product_minus, gain, loss, twice
+
+    def s(p, sign):
+        n = p.meta["numbers"]
+        value = 7 if sign == "other" else n["a"] * n["b"] + (n["c"] if sign == "plus" else -n["c"])
+        text = f"<think>\nok\n</think>\n<answer>\n\\boxed{{{value:,}}}\n</answer>"  # a comma still reads
+        return Sample(prompt_ids=[1], completion_ids=[2], loss_mask=[1], logprobs=[-1.0],
+                      rewards={"correct": 0.0, "format": 1.0}, group_id="g", text=text)
+
+    def run(signs):  # kind -> the signs its 4 samples (2 problems x 2) applied
+        groups = {}
+        for p in problems:
+            k = p.meta["kind"]
+            i = sum(q.meta["kind"] == k for q in problems[:problems.index(p)])
+            groups[p.id] = [s(p, x) for x in signs.get(k, ["other"] * 4)[2 * i:2 * i + 2]]
+        return summarize(problems, groups, [1])
+
+    leaning = run({"gain": ["minus"] * 4, "loss": ["minus"] * 4})  # solves every loss, no gain
+    assert leaning["by_kind"]["gain"]["applied"] == {"plus": 0.0, "minus": 1.0, "other": 0.0}
+    assert leaning["by_kind_set"]["free"]["verb_reading"] == 0.0
+    reading = run({"gain": ["plus", "plus", "plus", "minus"], "loss": ["minus", "minus", "other", "plus"],
+                   "product_plus": ["plus", "other", "minus", "plus"]})
+    assert reading["by_kind"]["loss"]["applied"] == {"plus": 0.25, "minus": 0.5, "other": 0.25}
+    assert reading["by_kind"]["product_plus"]["applied"] == {"plus": 0.5, "minus": 0.25, "other": 0.25}
+    assert reading["by_kind_set"]["free"]["verb_reading"] == 0.25  # 0.5 - 0.25
+    assert "applied" not in reading["by_kind"]["product"]  # a·b: no c, no sign
+    # without both free kinds there is no verb to read
+    taught_only = summarize(problems[:3], {p.id: [s(p, "plus" if "c" in p.meta["numbers"] else "other")]
+                                          for p in problems[:3]}, [1])
+    assert "verb_reading" not in str(taught_only)
+
+
 def test_the_run_summary_carries_held_out_accuracy_of_the_taught_and_teacher_free_kinds():
     from toolrl.learner.report import heldout
 
@@ -128,5 +164,9 @@ def test_the_run_summary_carries_held_out_accuracy_of_the_taught_and_teacher_fre
                 "n_problems": 10, "n_samples": 10, **({"by_kind_set": sets} if sets else {})}
     out = heldout([row("before", 0.2, 0.1), row("every", 0.5, 0.3), row("after", 0.6, 0.4)])
     assert (out["heldout_free_accuracy_before"], out["heldout_free_accuracy_after"]) == (0.1, 0.4)
+    read = row("after", 0.6, 0.4)
+    read["by_kind_set"]["free"]["verb_reading"] = 0.25
+    assert heldout([read])["heldout_free_verb_reading_after"] == 0.25
+    assert "heldout_free_verb_reading_after" not in out
     assert out["heldout_taught_accuracy_after"] == 0.6 and out["heldout_accuracy_after"] == 0.6
     assert "heldout_free_accuracy_after" not in heldout([row("after", 0.6, None)])

@@ -6,8 +6,10 @@ import math
 import statistics
 from collections import Counter
 
+from toolrl.format import extract_answer
 from toolrl.grpo import zero_variance
 from toolrl.protocol import TRUNCATED, Sample
+from toolrl.tasks.arithmetic import applied_sign, verb_reading
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -53,6 +55,16 @@ def summarize(problems: list, groups: dict[str, list[Sample]], ks: list[int]) ->
         out["by_kind_set"] = {name: {"n_samples": len(g), **rates(g, fmt)}
                               for name, taught in (("taught", True), ("free", False))
                               for g in [of(lambda p, t=taught: bool(p.meta.get("taught")) is t)] if g}
+        # a·b ± c kinds: which sign each answer applied, and whether the free kinds' verb decided it
+        signs = {}
+        for k in kinds:
+            got = [applied_sign(p, extract_answer(s.text)) for p in problems if p.meta.get("kind") == k
+                   for s in groups.get(p.id, [])]
+            if got and None not in got:
+                signs[k] = {x: got.count(x) / len(got) for x in ("plus", "minus", "other")}
+                out["by_kind"][k]["applied"] = signs[k]
+        if (v := verb_reading(signs)) is not None and "free" in out["by_kind_set"]:
+            out["by_kind_set"]["free"]["verb_reading"] = v
     return out
 
 

@@ -45,6 +45,8 @@ def heldout(evals: list[dict]) -> dict:
                         f"heldout_policy_version_{when}": e["policy_version"]})
             for name, sub in (e.get("by_kind_set") or {}).items():  # taught / teacher-free kinds
                 out[f"heldout_{name}_accuracy_{when}"] = sub["accuracy"]
+                if "verb_reading" in sub:  # gain and loss: does the verb decide the sign (metrics.summarize)
+                    out[f"heldout_{name}_verb_reading_{when}"] = sub["verb_reading"]
     if evals:
         out["heldout_problems"] = evals[-1]["n_problems"]
         out["heldout_samples"] = evals[-1]["n_samples"]

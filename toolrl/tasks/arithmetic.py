@@ -201,6 +201,29 @@ def kind_problem(seed: int, kind: str, index: int, twins: bool = False) -> Probl
                    meta={"expression": expr, "numbers": nums, "kind": kind, "taught": False})
 
 
+def applied_sign(problem: Problem, answer: str | None) -> str | None:
+    """Which sign an answer applied to c, for a problem a·b ± c (taught levels 2 and 3, gain, loss):
+    "plus", "minus", or "other" (no number, or neither value). None for a problem of another shape."""
+    nums = problem.meta.get("numbers") or {}
+    if set(nums) != {"a", "b", "c"}:
+        return None
+    try:
+        value = int(float((answer or "").replace(",", "").strip()))
+    except ValueError:
+        return "other"
+    ab, c = nums["a"] * nums["b"], nums["c"]
+    return "plus" if value == ab + c else "minus" if value == ab - c else "other"
+
+
+def verb_reading(signs: dict[str, dict[str, float]]) -> float | None:
+    """P(minus | loss) - P(minus | gain), from applied_sign's rates per kind: 1 when the policy reads
+    the verb, 0 for any fixed lean toward one sign (which still solves half the teacher-free problems),
+    whatever the accuracy says. None unless both kinds were evaluated."""
+    if "gain" not in signs or "loss" not in signs:
+        return None
+    return signs["loss"]["minus"] - signs["gain"]["minus"]
+
+
 def arithmetic_problems(n: int, seed: int = 0, level: int = 1, start: int = 0) -> list[Problem]:
     return [arithmetic_problem(seed, level, i) for i in range(start, start + n)]
 

@@ -167,6 +167,10 @@ def main(argv: list[str] | None = None) -> None:
         table.add_row(key, f"{res[key]:.3f}")
     for name, part in [*res.get("by_kind_set", {}).items(), *res.get("by_kind", {}).items()]:  # arithmetic
         table.add_row(f"accuracy, {name}", f"{part['accuracy']:.3f} ({part['n_samples']})")
+        if "applied" in part:  # a·b ± c kinds: the sign the answers applied to c
+            table.add_row(f"  sign applied, {name}", "  ".join(f"{k} {v:.2f}" for k, v in part["applied"].items()))
+        if "verb_reading" in part:
+            table.add_row("  verb reading, free (P(minus|loss) - P(minus|gain))", f"{part['verb_reading']:.3f}")
     Console(file=sys.stderr).print(table)
     print(json.dumps({k: res[k] for k in ("accuracy", "pass_at_k", "format_rate", "tool_calls_per_answer")}))
 
