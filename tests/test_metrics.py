@@ -7,6 +7,7 @@ from toolrl.config import DataConfig
 from toolrl.metrics import batch_stats, pass_at_k, summarize
 from toolrl.protocol import Sample, ToolCall
 from toolrl.tasks import Problem, load_task
+from toolrl.tasks.arithmetic import applied_sign
 
 
 @pytest.mark.parametrize("n, c", [(1, 0), (1, 1), (5, 2), (10, 3), (10, 10), (7, 0)])
@@ -149,6 +150,16 @@ def test_summary_says_which_sign_the_answers_applied_and_whether_the_verb_decide
     assert reading["by_kind"]["product_plus"]["applied"] == {"plus": 0.5, "minus": 0.25, "other": 0.25}
     assert reading["by_kind_set"]["free"]["verb_reading"] == 0.25  # 0.5 - 0.25
     assert "applied" not in reading["by_kind"]["product"]  # a·b: no c, no sign
+    # the grader's verdict decides a correct answer's sign (it reads notations this parser does not);
+    # a wrong one is read by its last number, exactly: huge, infinite or fractional ones are "other"
+    gain = next(p for p in problems if p.meta["kind"] == "gain")
+    n = gain.meta["numbers"]
+    v = str(n["a"] * n["b"] + n["c"])
+    latex = f"\\${v[:-3]}{{,}}{v[-3:]} bees"  # e.g. \$14{,}624 bees: math-verify reads it, this parser not
+    assert applied_sign(gain, latex, True) == "plus" and applied_sign(gain, latex) == "other"
+    assert applied_sign(gain, f"{n['a'] * n['b'] - n['c']:,} bees") == "minus"
+    for odd in ("inf", "1e999", "9" * 400, f"{n['a'] * n['b'] + n['c']}.5", None, "many"):
+        assert applied_sign(gain, odd) == "other", odd
     # without both free kinds there is no verb to read
     taught_only = summarize(problems[:3], {p.id: [s(p, "plus" if "c" in p.meta["numbers"] else "other")]
                                           for p in problems[:3]}, [1])

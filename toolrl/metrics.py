@@ -58,8 +58,8 @@ def summarize(problems: list, groups: dict[str, list[Sample]], ks: list[int]) ->
         # a·b ± c kinds: which sign each answer applied, and whether the free kinds' verb decided it
         signs = {}
         for k in kinds:
-            got = [applied_sign(p, extract_answer(s.text)) for p in problems if p.meta.get("kind") == k
-                   for s in groups.get(p.id, [])]
+            got = [applied_sign(p, extract_answer(s.text), s.rewards.get("correct", 0.0) >= 1.0)
+                   for p in problems if p.meta.get("kind") == k for s in groups.get(p.id, [])]
             if got and None not in got:
                 signs[k] = {x: got.count(x) / len(got) for x in ("plus", "minus", "other")}
                 out["by_kind"][k]["applied"] = signs[k]

@@ -19,6 +19,7 @@ import itertools
 import random
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable, Iterator, Sequence
 
 from toolrl.config import DataConfig, TeacherConfig
@@ -201,17 +202,24 @@ def kind_problem(seed: int, kind: str, index: int, twins: bool = False) -> Probl
                    meta={"expression": expr, "numbers": nums, "kind": kind, "taught": False})
 
 
-def applied_sign(problem: Problem, answer: str | None) -> str | None:
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def applied_sign(problem: Problem, answer: str | None, correct: bool = False) -> str | None:
     """Which sign an answer applied to c, for a problem a·b ± c (taught levels 2 and 3, gain, loss):
-    "plus", "minus", or "other" (no number, or neither value). None for a problem of another shape."""
+    "plus", "minus", or "other" (no number, or neither value). A `correct` answer (the grader's
+    verdict, which reads more notations than this) applied the problem's own sign; any other is read
+    by its last number. None for a problem of another shape."""
     nums = problem.meta.get("numbers") or {}
     if set(nums) != {"a", "b", "c"}:
         return None
-    try:
-        value = int(float((answer or "").replace(",", "").strip()))
-    except ValueError:
-        return "other"
     ab, c = nums["a"] * nums["b"], nums["c"]
+    if correct:
+        return "plus" if int(problem.answer) == ab + c else "minus"
+    found = _NUMBER.findall(answer or "")
+    if not found:
+        return "other"
+    value = Fraction(found[-1].replace(",", ""))  # exact: no float overflow or rounding
     return "plus" if value == ab + c else "minus" if value == ab - c else "other"
 
 

@@ -14,7 +14,7 @@ class Host(SessionRunners):
 
     def __init__(self, sweep_answers):
         self.sessions, self.lost, self.memory, self.cgroups = {}, {}, None, None
-        self.timers, self.sweeps, self.destroyed, self.started = [], {}, [], []
+        self.timers, self.delays, self.sweeps, self.destroyed, self.started = [], [], {}, [], []
         self.answers = list(sweep_answers)  # what the sweeper replies, in turn
         self.sweeper = SimpleNamespace(request=lambda uid: None,
                                        replies=lambda: [(uid, self.answers.pop(0)) for uid in list(self.sweeps)])
@@ -22,6 +22,7 @@ class Host(SessionRunners):
 
     def at(self, delay, fn):
         self.timers.append(fn)
+        self.delays.append(delay)
 
     def run_timers(self):
         while self.timers:
@@ -50,6 +51,7 @@ def test_a_session_lane_that_cannot_be_emptied_keeps_its_index_until_a_sweep_suc
     host.on_sweeper(0)
     host.run_timers()
     assert 3 not in host.sessions and host.destroyed == [s.lane]
+    assert [d for d in host.delays if d >= 1] == [1.0, 2.0]  # swept again later and later
 
 
 def test_a_session_lane_emptied_at_the_first_sweep_frees_its_index_at_once():

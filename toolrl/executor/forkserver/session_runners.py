@@ -133,17 +133,17 @@ class SessionRunners:
         s.proc, s.state = None, "cleaning"
         self.at(0, lambda: self.clean_session(s))
 
-    def clean_session(self, s: Session) -> None:
+    def clean_session(self, s: Session, tries: int = 0) -> None:
         """Free the session's index once nothing of its lane is alive. A lane the sweeps could not
-        empty keeps its index (state "cleaning": a block at it waits) and is swept again a second
-        later, as a slot goes down: its uid and lane must not pass to a new session while a process
-        of the old one lives."""
+        empty keeps its index (state "cleaning": a block at it waits) and is swept again, 1 s later,
+        then backing off to a minute (a failed sweep holds the sweeper for seconds), as a slot goes
+        down: its uid and lane must not pass to a new session while a process of the old one lives."""
         def then(ok: bool) -> None:
             if ok:
                 self.session_cleaned(s)
             else:
                 log.error("session %d: its lane still has live processes; the index stays out of use", s.index)
-                self.at(1.0, lambda: self.clean_session(s))
+                self.at(min(60.0, 2.0 ** tries), lambda: self.clean_session(s, tries + 1))
         self.ensure_empty(s.lane, then)
 
     def session_cleaned(self, s: Session) -> None:

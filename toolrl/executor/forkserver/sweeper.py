@@ -93,7 +93,10 @@ def _sweeper_main(req_r: int, rep_w: int) -> None:
 
 def _alive_with_uid(uid: int) -> bool:
     """Any process other than this one, not a zombie, whose real uid is `uid`."""
-    me = str(os.getpid())
+    try:  # this process's pid as /proc numbers it (in a pid namespace of its own, getpid() is not)
+        me = os.readlink("/proc/self")
+    except OSError:
+        me = str(os.getpid())
     for name in os.listdir("/proc"):
         if not name.isdigit() or name == me:
             continue
