@@ -4,10 +4,9 @@ import itertools
 import pytest
 
 from toolrl.config import DataConfig
-from toolrl.metrics import batch_stats, pass_at_k, summarize
+from toolrl.metrics import applied_sign, batch_stats, pass_at_k, summarize
 from toolrl.protocol import Sample, ToolCall
 from toolrl.tasks import Problem, load_task
-from toolrl.tasks.arithmetic import applied_sign
 
 
 @pytest.mark.parametrize("n, c", [(1, 0), (1, 1), (5, 2), (10, 3), (10, 10), (7, 0)])

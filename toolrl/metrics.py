@@ -3,13 +3,14 @@ statistics of a training batch."""
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections import Counter
+from fractions import Fraction
 
 from toolrl.format import extract_answer
 from toolrl.grpo import zero_variance
 from toolrl.protocol import TRUNCATED, Sample
-from toolrl.tasks.arithmetic import applied_sign, verb_reading
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -136,3 +137,33 @@ def signal(samples: list[Sample]) -> dict[str, float]:
     return {"groups": len(rewards),
             "groups_with_signal": sum(not zero_variance(r) for r in rewards.values()) / max(1, len(rewards)),
             "nonzero_advantage_frac": sum(s.advantage != 0 for s in samples if s.source == "policy") / max(1, n)}
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def applied_sign(problem, answer: str | None, correct: bool = False) -> str | None:
+    """Which sign an answer applied to c, for a problem a·b ± c (taught levels 2 and 3, gain, loss):
+    "plus", "minus", or "other" (no number, or neither value). A `correct` answer (the grader's
+    verdict, which reads more notations than this) applied the problem's own sign; any other is read
+    by its last number. None for a problem of another shape."""
+    nums = problem.meta.get("numbers") or {}
+    if set(nums) != {"a", "b", "c"}:
+        return None
+    ab, c = nums["a"] * nums["b"], nums["c"]
+    if correct:
+        return "plus" if int(problem.answer) == ab + c else "minus"
+    found = _NUMBER.findall(answer or "")
+    if not found:
+        return "other"
+    value = Fraction(found[-1].replace(",", ""))  # exact: no float overflow or rounding
+    return "plus" if value == ab + c else "minus" if value == ab - c else "other"
+
+
+def verb_reading(signs: dict[str, dict[str, float]]) -> float | None:
+    """P(minus | loss) - P(minus | gain), from applied_sign's rates per kind: 1 when the policy reads
+    the verb, 0 for any fixed lean toward one sign (which still solves half the teacher-free problems),
+    whatever the accuracy says. None unless both kinds were evaluated."""
+    if "gain" not in signs or "loss" not in signs:
+        return None
+    return signs["loss"]["minus"] - signs["gain"]["minus"]

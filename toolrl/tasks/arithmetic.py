@@ -19,7 +19,6 @@ import itertools
 import random
 import re
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Callable, Iterator, Sequence
 
 from toolrl.config import DataConfig, TeacherConfig
@@ -200,36 +199,6 @@ def kind_problem(seed: int, kind: str, index: int, twins: bool = False) -> Probl
     return Problem(id=f"arith-{kind}-s{seed}-{index}", question=template.format(**nums), answer=str(value),
                    program=f"print({expr})", level=k.level,
                    meta={"expression": expr, "numbers": nums, "kind": kind, "taught": False})
-
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def applied_sign(problem: Problem, answer: str | None, correct: bool = False) -> str | None:
-    """Which sign an answer applied to c, for a problem a·b ± c (taught levels 2 and 3, gain, loss):
-    "plus", "minus", or "other" (no number, or neither value). A `correct` answer (the grader's
-    verdict, which reads more notations than this) applied the problem's own sign; any other is read
-    by its last number. None for a problem of another shape."""
-    nums = problem.meta.get("numbers") or {}
-    if set(nums) != {"a", "b", "c"}:
-        return None
-    ab, c = nums["a"] * nums["b"], nums["c"]
-    if correct:
-        return "plus" if int(problem.answer) == ab + c else "minus"
-    found = _NUMBER.findall(answer or "")
-    if not found:
-        return "other"
-    value = Fraction(found[-1].replace(",", ""))  # exact: no float overflow or rounding
-    return "plus" if value == ab + c else "minus" if value == ab - c else "other"
-
-
-def verb_reading(signs: dict[str, dict[str, float]]) -> float | None:
-    """P(minus | loss) - P(minus | gain), from applied_sign's rates per kind: 1 when the policy reads
-    the verb, 0 for any fixed lean toward one sign (which still solves half the teacher-free problems),
-    whatever the accuracy says. None unless both kinds were evaluated."""
-    if "gain" not in signs or "loss" not in signs:
-        return None
-    return signs["loss"]["minus"] - signs["gain"]["minus"]
 
 
 def arithmetic_problems(n: int, seed: int = 0, level: int = 1, start: int = 0) -> list[Problem]:
