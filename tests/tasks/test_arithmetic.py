@@ -213,6 +213,9 @@ def test_twin_free_kinds_pair_each_gain_problem_with_its_loss_twin():
     assert sum(g.meta["numbers"] == lo.meta["numbers"] for g, lo in apart) == 0
     taught = lambda data: [p.id for p in itertools.islice(problem_stream(data, "w0"), 70) if p.meta["taught"]]  # noqa: E731
     assert taught(d.model_copy(update={"twin_free_kinds": True})) == taught(d)
+    for kinds in (None, ["taught", "gain"]):  # nothing to pair: said, not ignored
+        with pytest.raises(DataError, match="twin_free_kinds"):
+            problem_stream(d.model_copy(update={"kinds": kinds, "twin_free_kinds": True}), "w0")
 
 
 def test_heldout_selects_kinds_and_stays_apart_from_training():

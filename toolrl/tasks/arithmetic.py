@@ -358,6 +358,9 @@ class ArithmeticTask(Task):
     def stream(self, data: DataConfig, offset: int, level: int | None = None) -> Iterator[Problem]:
         seed, level = data.seed * 100_003 + offset, level or data.level
         kinds = self._kinds(data)
+        if data.twin_free_kinds and not {"gain", "loss"} <= set(kinds or ()):
+            raise DataError("data.twin_free_kinds pairs gain and loss problems: data.kinds must name both "
+                            "(e.g. [taught, free, free])")
         if kinds is None:
             return mixed_stream(seed, level) if data.mix_levels else arithmetic_stream(seed=seed, level=level)
         # every level the curriculum can reach must have a kind, checked now rather than at a promotion
