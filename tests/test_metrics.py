@@ -95,7 +95,7 @@ def test_batch_stats_say_how_much_signal_grpo_has_and_score_the_teacher_apart():
 
 
 def test_summary_breaks_kinds_down_and_the_teacher_free_ones_together():
-    problems = load_task("arithmetic:1-3@all", 10, 3, DataConfig())  # product .. product_minus, gain, loss, twice
+    problems = load_task("arithmetic:1-3@taught,verbs", 10, 3, DataConfig())  # product .. loss, twice
 
     def s(correct):
         return Sample(prompt_ids=[1], completion_ids=[2], loss_mask=[1], logprobs=[-1.0],
@@ -123,7 +123,7 @@ def test_summary_says_which_sign_the_answers_applied_and_whether_the_verb_decide
     """For a·b ± c kinds, by_kind[k]["applied"] counts plus / minus / other from each boxed answer,
     and by_kind_set.free.verb_reading is P(minus | loss) - P(minus | gain): a lean toward one sign
     reads 0 however many it solves."""
-    problems = load_task("arithmetic:1-3@all", 10, 3, DataConfig())  # product .. product_minus, gain, loss, twice
+    problems = load_task("arithmetic:1-3@taught,verbs", 10, 3, DataConfig())  # product .. loss, twice
 
     def s(p, sign):
         n = p.meta["numbers"]
@@ -180,3 +180,26 @@ def test_the_run_summary_carries_held_out_accuracy_of_the_taught_and_teacher_fre
     assert "heldout_free_verb_reading_after" not in out
     assert out["heldout_taught_accuracy_after"] == 0.6 and out["heldout_accuracy_after"] == 0.6
     assert "heldout_free_accuracy_after" not in heldout([row("after", 0.6, None)])
+
+
+def test_summary_counts_programs_that_copied_numbers_with_separators():
+    """The comma kinds write numbers "1,250": by_kind[k]["commas_copied"] and by_kind_set.free say how
+    often a program the sample ran wrote one that way (a tuple in Python); other kinds carry no such figure."""
+    problems = load_task("arithmetic:1-3@taught,commas", 10, 3, DataConfig())
+
+    def s(code):
+        calls = [ToolCall(code=code, status="ok", output="")] if code else []
+        return Sample(prompt_ids=[1], completion_ids=[2], loss_mask=[1], logprobs=[-1.0],
+                      rewards={"correct": 0.0, "format": 1.0}, group_id="g", tool_calls=calls)
+
+    codes = {"product_plus_commas": ["print(4,452 * 62 + 5,842)", "print(4452 * 62 + 5842)"],
+             "product_minus_commas": ["x = 4452\nprint(x * 62 - 12,345,678)", None]}
+    groups = {p.id: [s(c) for c in codes.get(p.meta["kind"], ["print(1,250 * 4)", None])] for p in problems}
+    out = summarize(problems, groups, [1])
+    assert out["by_kind"]["product_plus_commas"]["commas_copied"] == 0.5
+    assert out["by_kind"]["product_minus_commas"]["commas_copied"] == 0.5
+    assert out["by_kind_set"]["free"]["commas_copied"] == 0.5
+    assert all("commas_copied" not in out["by_kind"][k] for k in ("product", "product_plus", "product_minus"))
+    assert "commas_copied" not in out["by_kind_set"]["taught"]
+    groups = {p.id: [s("print(4452 * 62)")] * 2 for p in problems}
+    assert summarize(problems, groups, [1])["by_kind_set"]["free"]["commas_copied"] == 0.0

@@ -66,6 +66,14 @@ def summarize(problems: list, groups: dict[str, list[Sample]], ks: list[int]) ->
                 out["by_kind"][k]["applied"] = signs[k]
         if (v := verb_reading(signs)) is not None and "free" in out["by_kind_set"]:
             out["by_kind_set"]["free"]["verb_reading"] = v
+        # kinds that write numbers "1,250": how often a program copied one (a tuple in Python)
+        copied = {k: [copies_commas(s) for p in problems if p.meta.get("kind") == k and p.meta.get("commas")
+                      for s in groups.get(p.id, [])] for k in kinds}
+        for k, got in copied.items():
+            if got:
+                out["by_kind"][k]["commas_copied"] = sum(got) / len(got)
+        if (every := [x for got in copied.values() for x in got]) and "free" in out["by_kind_set"]:
+            out["by_kind_set"]["free"]["commas_copied"] = sum(every) / len(every)
     return out
 
 
@@ -158,6 +166,15 @@ def applied_sign(problem, answer: str | None, correct: bool = False) -> str | No
         return "other"
     value = Fraction(found[-1].replace(",", ""))  # exact: no float overflow or rounding
     return "plus" if value == ab + c else "minus" if value == ab - c else "other"
+
+
+_SEPARATED = re.compile(r"(?<![\w.])\d{1,3}(?:,\d{3})+(?![\d.])")  # 1,250 or 12,345,678
+
+
+def copies_commas(sample: Sample) -> bool:
+    """A program the sample ran writes a number with thousands separators, as a question of the comma
+    kinds does: `print(1,250 * 48)` prints a tuple, so the answer built on it is wrong."""
+    return any(_SEPARATED.search(t.code) for t in sample.tool_calls)
 
 
 def verb_reading(signs: dict[str, dict[str, float]]) -> float | None:

@@ -128,7 +128,8 @@ def test_every_problem_has_a_kind_and_the_free_kinds_are_right():
         p = arithmetic_problem(3, level, 0)
         assert (p.meta["kind"], p.meta["taught"]) == (_TAUGHT_NAMES[level], True) == (TAUGHT_KINDS[level - 1], True)
         assert kind_problem(3, p.meta["kind"], 0) == p and p.id == f"arith-L{level}-s3-0"
-    assert set(FREE_KINDS) == {"gain", "loss"} and not set(FREE_KINDS) & set(TAUGHT_KINDS)
+    assert set(FREE_KINDS) == {"gain", "loss", "product_plus_commas", "product_minus_commas"}
+    assert not set(FREE_KINDS) & set(TAUGHT_KINDS)
     for kind in FREE_KINDS:
         probs = [kind_problem(7, kind, i) for i in range(40)]
         assert probs == [kind_problem(7, kind, i) for i in range(40)]  # seeded
@@ -139,7 +140,8 @@ def test_every_problem_has_a_kind_and_the_free_kinds_are_right():
             assert (p.meta["kind"], p.meta["taught"], p.level) == (kind, False, KINDS[kind].level)
             assert p.id == f"arith-{kind}-s7-{i}" and p.program == f"print({expr})"
             assert str(eval(expr)) == p.answer and int(p.answer) >= 144  # positive, and needs a calculator
-            assert all(str(v) in p.question for v in p.meta["numbers"].values())
+            shown = (lambda v: f"{v:,}") if KINDS[kind].commas else str  # noqa: E731
+            assert all(shown(v) in p.question for v in p.meta["numbers"].values())
             json.dumps(p.meta)
     gain, loss = kind_problem(0, "gain", 0), kind_problem(0, "loss", 0)
     assert " + " in gain.meta["expression"] and " - " in loss.meta["expression"]
@@ -161,6 +163,25 @@ def test_gain_and_loss_differ_only_in_a_verb_the_teacher_never_uses():
         assert " ".join(t.rstrip("?").split()[-2:]) not in endings and not t.endswith("now?"), t
 
 
+def test_the_comma_kinds_are_taught_operations_whose_numbers_a_program_must_not_copy():
+    """product_plus_commas, product_minus_commas: a taught template with a and c over 1000 written
+    "1,250". The expression is right; the question's numbers copied into Python are a tuple."""
+    for kind, level in (("product_plus_commas", 2), ("product_minus_commas", 3)):
+        for i in range(30):
+            p = kind_problem(4, kind, i)
+            n, sep = p.meta["numbers"], {k: f"{v:,}" for k, v in p.meta["numbers"].items()}
+            assert (p.level, p.meta["commas"], p.meta["taught"]) == (level, True, False)
+            assert p.meta["expression"] == KINDS[f"{_TAUGHT_NAMES[level]}"].expression.format(**n)
+            assert p.question in [t.format(**sep) for t in KINDS[_TAUGHT_NAMES[level]].templates]
+            assert n["a"] > 1000 and n["c"] > 1000 and f"{n['a']:,}" in p.question and int(p.answer) > 0
+            try:  # "1,005" is a syntax error (a leading zero), "1,250" a tuple
+                copied = eval(KINDS[kind].expression.format(**sep))
+                assert isinstance(copied, tuple) and str(copied) != p.answer
+            except SyntaxError:
+                assert ",0" in p.question
+    assert "commas" not in kind_problem(4, "gain", 0).meta and "commas" not in arithmetic_problem(4, 2, 0).meta
+
+
 def test_the_default_stream_is_unchanged_and_naming_the_taught_kinds_changes_nothing():
     ids = lambda it, n=12: [p.id for p in itertools.islice(it, n)]  # noqa: E731
     for mix, level in ((True, 3), (False, 2), (True, 1)):
@@ -179,7 +200,8 @@ def test_the_stream_draws_the_kinds_named_in_turn():
     assert [p.meta["kind"] for p in got[:5]] == ["product", "product_plus", "product_minus", "gain", "loss"]
     assert len({p.id for p in got}) == 15
     # a kind named twice comes twice as often, never with the same problem twice
-    twice = list(itertools.islice(problem_stream(d.model_copy(update={"kinds": ["taught", "free", "free"]}), "w0"), 70))
+    twice = list(itertools.islice(problem_stream(d.model_copy(update={"kinds": ["taught", "verbs", "verbs"]}), "w0"),
+                                  70))
     kinds = [p.meta["kind"] for p in twice]
     assert kinds.count("loss") == kinds.count("gain") == 20 == 2 * kinds.count("product")
     assert len({p.id for p in twice}) == 70
@@ -201,7 +223,7 @@ def test_the_stream_draws_the_kinds_named_in_turn():
 def test_twin_free_kinds_pair_each_gain_problem_with_its_loss_twin():
     """data.twin_free_kinds: gain's and loss's problem i share scene and numbers, so only the verb
     (and the answer, by 2c) tells them apart; off, they are drawn apart; the taught kinds are as before."""
-    d = DataConfig(level=3, max_level=3, mix_levels=True, kinds=["taught", "free", "free"])
+    d = DataConfig(level=3, max_level=3, mix_levels=True, kinds=["taught", "verbs", "verbs"])
     pairs = lambda data: [(g, lo) for g, lo in itertools.pairwise(itertools.islice(problem_stream(data, "w0"), 70))  # noqa: E731
                           if (g.meta["kind"], lo.meta["kind"]) == ("gain", "loss")]
     twins, apart = pairs(d.model_copy(update={"twin_free_kinds": True})), pairs(d)
@@ -213,6 +235,8 @@ def test_twin_free_kinds_pair_each_gain_problem_with_its_loss_twin():
     assert sum(g.meta["numbers"] == lo.meta["numbers"] for g, lo in apart) == 0
     taught = lambda data: [p.id for p in itertools.islice(problem_stream(data, "w0"), 70) if p.meta["taught"]]  # noqa: E731
     assert taught(d.model_copy(update={"twin_free_kinds": True})) == taught(d)
+    for kind in ("product_plus_commas", "product_minus_commas"):  # only gain and loss are paired
+        assert [kind_problem(0, kind, i, twins=True) for i in range(5)] == [kind_problem(0, kind, i) for i in range(5)]
     for kinds in (None, ["taught", "gain"]):  # nothing to pair: said, not ignored
         with pytest.raises(DataError, match="twin_free_kinds"):
             problem_stream(d.model_copy(update={"kinds": kinds, "twin_free_kinds": True}), "w0")
@@ -220,15 +244,18 @@ def test_twin_free_kinds_pair_each_gain_problem_with_its_loss_twin():
 
 def test_heldout_selects_kinds_and_stays_apart_from_training():
     d = DataConfig(level=1)
-    free = load_task("arithmetic:1-3@free", 6, 5, d)
+    free = load_task("arithmetic:1-3@verbs", 6, 5, d)
     assert [p.id for p in free] == [f"arith-{k}-s5-{i}" for i in range(3) for k in ("gain", "loss")]
-    assert load_task("arithmetic:1-3@free", 4, 5, d) == free[:4]  # a smaller eval is a prefix
-    assert load_task("arithmetic:@free", 6, 5, d) == free == load_task("arithmetic:1-3@gain,loss", 6, 5, d)
+    assert load_task("arithmetic:1-3@verbs", 4, 5, d) == free[:4]  # a smaller eval is a prefix
+    assert load_task("arithmetic:@verbs", 6, 5, d) == free == load_task("arithmetic:1-3@gain,loss", 6, 5, d)
+    commas = ("product_plus_commas", "product_minus_commas")
+    assert [p.meta["kind"] for p in load_task("arithmetic:1-3@free", 8, 5, d)] == ["gain", "loss", *commas] * 2
+    assert load_task("arithmetic:1-3@commas", 4, 5, d) == load_task("arithmetic:1-3@" + ",".join(commas), 4, 5, d)
     every = load_task("arithmetic:1-3@all", 10, 5, d)
     assert [p.meta["kind"] for p in every[:5]] == ["product", "product_plus", "product_minus", "gain", "loss"]
     assert every[:3] == load_task("arithmetic:1-3", 9, 5, d)[:3]  # the taught kinds' problems are the levels'
     assert load_task("arithmetic:1-3@taught", 9, 5, d) == load_task("arithmetic:1-3", 9, 5, d)
-    assert {p.meta["kind"] for p in load_task("arithmetic:3@free", 4, 5, d)} == {"loss"}
+    assert {p.meta["kind"] for p in load_task("arithmetic:3@free", 4, 5, d)} == {"loss", "product_minus_commas"}
     for bad, words in (("arithmetic:1@loss", "level 1"), ("arithmetic:1-3@nope", "unknown arithmetic kind"),
                        ("arithmetic:1-3@", "no kind"), ("arithmetic:x@free", "@KINDS")):
         with pytest.raises(DataError, match=words):

@@ -66,22 +66,22 @@ TAUGHT = ("product", "product_plus", "product_minus")
 
 
 def test_a_teacher_free_group_gets_no_teacher_sample():
-    got, p = groups("data.kinds=[taught,free]", n=10)
+    got, p = groups("data.kinds=[taught,free]", n=14)
     assert [q.meta["kind"] for q, _ in sorted(got, key=lambda x: p.agent.seen.index(x[0]))] == [
-        *TAUGHT, "gain", "loss"] * 2
+        *TAUGHT, "gain", "loss", "product_plus_commas", "product_minus_commas"] * 2
     for q, g in got:
         teacher = [s for s in g if s.source == "teacher"]
         if q.meta["kind"] in TAUGHT:  # the rollouts and two teacher traces that run and conclude the answer
             assert len(g) == 5 and len(teacher) == 2
             assert all(s.group_id.startswith(f"w1:{q.id}:teacher") and f"\\boxed{{{q.answer}}}" in s.text
                        for s in teacher)
-        else:  # gain, loss: the rollouts alone
+        else:  # gain, loss and the comma kinds: the rollouts alone
             assert len(g) == 3 and not teacher
     assert p.stats.teacher_traces == 2 * 6
 
 
 def test_teacher_kinds_decides_which_groups_are_taught():
-    got, p = groups("data.kinds=[taught,free]", "teacher.kinds=[loss]", n=10)
+    got, p = groups("data.kinds=[taught,verbs]", "teacher.kinds=[loss]", n=10)
     taught = {q.meta["kind"] for q, g in got if any(s.source == "teacher" for s in g)}
     assert taught == {"loss"} and p.stats.teacher_traces == 2 * 2
     # the demo as it was: the taught kinds only, every group taught

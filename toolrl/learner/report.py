@@ -47,6 +47,8 @@ def heldout(evals: list[dict]) -> dict:
                 out[f"heldout_{name}_accuracy_{when}"] = sub["accuracy"]
                 if "verb_reading" in sub:  # gain and loss: does the verb decide the sign (metrics.summarize)
                     out[f"heldout_{name}_verb_reading_{when}"] = sub["verb_reading"]
+                if "commas_copied" in sub:  # comma kinds: programs that copied "1,250" (a tuple)
+                    out[f"heldout_{name}_commas_copied_{when}"] = sub["commas_copied"]
     if evals:
         out["heldout_problems"] = evals[-1]["n_problems"]
         out["heldout_samples"] = evals[-1]["n_samples"]

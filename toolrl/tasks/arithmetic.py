@@ -8,10 +8,12 @@ calculation in words, write a program for it and conclude from the program's rea
 Every problem has a *kind* (`Problem.meta["kind"]`): the operation it asks for and how it is worded.
 The taught kinds are the curriculum's levels, one each (`product` is level 1, a·b; ...); by default
 the training stream draws only these and the teacher demonstrates only these. The teacher-free kinds
-(`gain`, `loss`: a·b + c and a·b − c in new wordings whose verb alone says which) are kinds the
-teacher never writes a trace for, so whatever a policy learns on them comes from reward alone
-(`data.kinds` adds them to the stream, `teacher.kinds` says which kinds the teacher demonstrates,
-`arithmetic:1-3@free` evaluates them; docs/ARCHITECTURE.md, "The teacher and the curriculum").
+are kinds the teacher never writes a trace for, so whatever a policy learns on them comes from reward
+alone: `gain`, `loss` (group `verbs`: a·b + c and a·b − c in new wordings whose verb alone says
+which) and `product_plus_commas`, `product_minus_commas` (group `commas`: the taught a·b ± c with
+numbers written "1,250", which a program must not copy). `data.kinds` adds them to the stream,
+`teacher.kinds` says which kinds the teacher demonstrates, `arithmetic:1-3@free` evaluates them all
+(docs/ARCHITECTURE.md, "The teacher and the curriculum").
 """
 from __future__ import annotations
 
@@ -106,6 +108,7 @@ class Kind:
     templates: tuple[str, ...]
     numbers: Callable[[random.Random], dict[str, int]]
     taught: bool  # the default partition: taught kinds get teacher traces, the others never by default
+    commas: bool = False  # the question writes its numbers with thousands separators ("1,250")
 
 
 # The teacher-free kinds: the taught operations a·b + c and a·b − c in new wordings. Each scene is
@@ -142,20 +145,38 @@ _FREE_KINDS = [
          _gain_loss_numbers, False),
 ]
 
+
+def _comma_numbers(level: int, rng: random.Random) -> dict[str, int]:
+    a, b = rng.randint(1001, 9999), rng.randint(12, 99)
+    return {"a": a, "b": b, "c": rng.randint(1001, 9999 if level == 2 else a * b - 1)}
+
+
+# The teacher-free kinds, second design: the taught a·b + c and a·b − c, in the taught templates,
+# with a and c above 1000 and written with thousands separators. The teacher writes the numbers of
+# the question into its program, which for the taught kinds (no separators) is right; copied here,
+# "1,250 * 48" is a Python tuple and the answer is wrong. Only the reward says to drop the commas.
+_COMMA_KINDS = [
+    Kind(f"{name}_commas", level, _EXPRESSIONS[level], tuple(_TEMPLATES[level]),
+         lambda rng, level=level: _comma_numbers(level, rng), False, commas=True)
+    for level, name in ((2, "product_plus"), (3, "product_minus"))
+]
+
 _TAUGHT_NAMES = {1: "product", 2: "product_plus", 3: "product_minus", 4: "two_products", 5: "branches"}
 KINDS: dict[str, Kind] = {
     **{name: Kind(name, level, _EXPRESSIONS[level], tuple(_TEMPLATES[level]),
                   lambda rng, level=level: _numbers(level, rng), True) for level, name in _TAUGHT_NAMES.items()},
     **{k.name: k for k in _FREE_KINDS},
+    **{k.name: k for k in _COMMA_KINDS},
 }
 TAUGHT_KINDS = tuple(k.name for k in KINDS.values() if k.taught)
 FREE_KINDS = tuple(k.name for k in KINDS.values() if not k.taught)
-KIND_GROUPS = {"taught": TAUGHT_KINDS, "free": FREE_KINDS, "all": tuple(KINDS)}
+KIND_GROUPS = {"taught": TAUGHT_KINDS, "free": FREE_KINDS, "all": tuple(KINDS),
+               "verbs": tuple(k.name for k in _FREE_KINDS), "commas": tuple(k.name for k in _COMMA_KINDS)}
 
 
 def kind_names(names: Sequence[str], what: str = "kinds") -> list[str]:
-    """Kind names with the groups taught, free and all expanded, in order (repeats kept: a kind named
-    twice in data.kinds is drawn twice as often). DataError for a name that is neither."""
+    """Kind names with the groups (taught, free, all, verbs, commas) expanded, in order (repeats kept:
+    a kind named twice in data.kinds is drawn twice as often). DataError for a name that is neither."""
     out: list[str] = []
     for n in names:
         if n in KIND_GROUPS:
@@ -185,20 +206,22 @@ def arithmetic_problem(seed: int, level: int, index: int) -> Problem:
 
 def kind_problem(seed: int, kind: str, index: int, twins: bool = False) -> Problem:
     """Problem `index` of the stream (seed, kind). A taught kind's problems are its level's
-    (arithmetic_problem), so naming the taught kinds changes no problem. `twins`: the teacher-free
-    kinds draw from one random stream, so problem `index` of gain and of loss is the same scene with
+    (arithmetic_problem), so naming the taught kinds changes no problem. `twins`: gain and loss
+    (group verbs) draw from one random stream, so problem `index` of gain and of loss is the same scene with
     the same numbers (their scenes are listed in the same order and their numbers drawn alike)."""
     k = KINDS[kind]
     if k.taught:
         return arithmetic_problem(seed, k.level, index)
-    rng = random.Random(f"arith:{seed}:{'free' if twins else kind}:{index}")
+    rng = random.Random(f"arith:{seed}:{'free' if twins and kind in KIND_GROUPS['verbs'] else kind}:{index}")
     nums = k.numbers(rng)
     template = rng.choice(k.templates)
     expr = k.expression.format(**nums)
     value = eval(expr, {"__builtins__": {}})  # our own integer expression, never model output
-    return Problem(id=f"arith-{kind}-s{seed}-{index}", question=template.format(**nums), answer=str(value),
+    shown = {n: f"{v:,}" for n, v in nums.items()} if k.commas else nums
+    return Problem(id=f"arith-{kind}-s{seed}-{index}", question=template.format(**shown), answer=str(value),
                    program=f"print({expr})", level=k.level,
-                   meta={"expression": expr, "numbers": nums, "kind": kind, "taught": False})
+                   meta={"expression": expr, "numbers": nums, "kind": kind, "taught": False,
+                         **({"commas": True} if k.commas else {})})
 
 
 def arithmetic_problems(n: int, seed: int = 0, level: int = 1, start: int = 0) -> list[Problem]:
@@ -338,8 +361,9 @@ def teacher_trace(problem: Problem, rng: random.Random, quote_cue: bool = False)
 
 class ArithmeticTask(Task):
     """`data.source: arithmetic`; held out `arithmetic[:LEVEL or LO-HI][@KINDS]`: the kinds at those
-    levels in turn. KINDS: kind names or the groups taught, free and all, joined with commas; without
-    it the taught kinds (one per level), and `arithmetic:@KINDS` takes those kinds at every level."""
+    levels in turn. KINDS: kind names or the groups taught, free, all, verbs and commas, joined with
+    commas; without it the taught kinds (one per level), and `arithmetic:@KINDS` takes those kinds at
+    every level."""
 
     name = "arithmetic"
     curriculum = True

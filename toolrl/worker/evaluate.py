@@ -5,7 +5,7 @@
 
 M: a built-in name (smollm2-135m-instruct), an HF id or path, or a run directory (its export).
 T: arithmetic[:LEVEL or LO-HI][@KINDS] (held-out seed data.eval_seed unless --seed; KINDS: kind names or
-   taught, free, all, comma-separated, e.g. arithmetic:1-3@free), gsm8k:PATH, math:PATH, jsonl:PATH,
+   taught, free, all, verbs, commas, comma-separated, e.g. arithmetic:1-3@free), gsm8k:PATH, math:PATH, jsonl:PATH,
    code:TASKS (the held-out split of data.source=code, e.g. code:humaneval; accuracy = all tests pass;
    code:prepared:DIR the test side a prepared split wrote, toolrl.tasks.code.prepare),
    pycode[:LEVEL or LO-HI] (generated function-writing problems, the held-out side of their split).
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
             table.add_row(f"  sign applied, {name}", "  ".join(f"{k} {v:.2f}" for k, v in part["applied"].items()))
         if "verb_reading" in part:
             table.add_row("  verb reading, free (P(minus|loss) - P(minus|gain))", f"{part['verb_reading']:.3f}")
+        if "commas_copied" in part:
+            table.add_row(f"  programs copying 1,250-style numbers, {name}", f"{part['commas_copied']:.3f}")
     Console(file=sys.stderr).print(table)
     print(json.dumps({k: res[k] for k in ("accuracy", "pass_at_k", "format_rate", "tool_calls_per_answer")}))
 
