@@ -178,6 +178,9 @@ def test_the_run_summary_carries_held_out_accuracy_of_the_taught_and_teacher_fre
     read["by_kind_set"]["free"]["verb_reading"] = 0.25
     assert heldout([read])["heldout_free_verb_reading_after"] == 0.25
     assert "heldout_free_verb_reading_after" not in out
+    read["by_kind_set"]["free"]["commas_copied"] = 0.125
+    assert heldout([read])["heldout_free_commas_copied_after"] == 0.125
+    assert not [k for k in out if "commas_copied" in k]
     assert out["heldout_taught_accuracy_after"] == 0.6 and out["heldout_accuracy_after"] == 0.6
     assert "heldout_free_accuracy_after" not in heldout([row("after", 0.6, None)])
 
