@@ -67,8 +67,8 @@ def summarize(problems: list, groups: dict[str, list[Sample]], ks: list[int]) ->
         if (v := verb_reading(signs)) is not None and "free" in out["by_kind_set"]:
             out["by_kind_set"]["free"]["verb_reading"] = v
         # kinds that write numbers "1,250": how often a program copied one (a tuple in Python)
-        copied = {k: [copies_commas(s) for p in problems if p.meta.get("kind") == k and p.meta.get("commas")
-                      for s in groups.get(p.id, [])] for k in kinds}
+        copied = {k: [copies_commas(s) for s in of(lambda p, k=k: p.meta["kind"] == k and p.meta.get("commas"))]
+                  for k in kinds}
         for k, got in copied.items():
             if got:
                 out["by_kind"][k]["commas_copied"] = sum(got) / len(got)

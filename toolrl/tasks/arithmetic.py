@@ -207,8 +207,8 @@ def arithmetic_problem(seed: int, level: int, index: int) -> Problem:
 def kind_problem(seed: int, kind: str, index: int, twins: bool = False) -> Problem:
     """Problem `index` of the stream (seed, kind). A taught kind's problems are its level's
     (arithmetic_problem), so naming the taught kinds changes no problem. `twins`: gain and loss
-    (group verbs) draw from one random stream, so problem `index` of gain and of loss is the same scene with
-    the same numbers (their scenes are listed in the same order and their numbers drawn alike)."""
+    (group verbs) draw from one random stream, so problem `index` of gain and of loss is the same
+    scene with the same numbers (their scenes are listed in the same order and their numbers drawn alike)."""
     k = KINDS[kind]
     if k.taught:
         return arithmetic_problem(seed, k.level, index)
@@ -384,7 +384,7 @@ class ArithmeticTask(Task):
         kinds = self._kinds(data)
         if data.twin_free_kinds and not {"gain", "loss"} <= set(kinds or ()):
             raise DataError("data.twin_free_kinds pairs gain and loss problems: data.kinds must name both "
-                            "(e.g. [taught, free, free])")
+                            "(e.g. [taught, verbs, verbs])")
         if kinds is None:
             return mixed_stream(seed, level) if data.mix_levels else arithmetic_stream(seed=seed, level=level)
         # every level the curriculum can reach must have a kind, checked now rather than at a promotion
