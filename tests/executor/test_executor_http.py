@@ -310,3 +310,54 @@ def test_a_malformed_answer_is_an_executor_error_not_a_pydantic_one():
             await c.execute_batch([{"code": "1"}])
     with pytest.raises(ExecutorError, match="malformed"):
         asyncio.run(go())
+
+
+# -- the async client's default (aiohttp) transport against real sockets ------------------------------
+
+def _drop_after_reading(port: int, accepted: list, stop: threading.Event) -> None:
+    """A server that reads each request whole and closes the connection without answering: the
+    code may have run, so the client must not send it again."""
+    import socket
+    with socket.create_server(("127.0.0.1", port)) as srv:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            accepted.append(time.monotonic())
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = int(next(v for k, v in (h.split(b":", 1) for h in head.split(b"\r\n")[1:])
+                                  if k.strip().lower() == b"content-length"))
+                while len(body) < length:
+                    body += conn.recv(65536)
+
+
+def test_async_client_never_resends_a_request_the_server_dropped():
+    port, accepted, stop = free_port(), [], threading.Event()
+    t = threading.Thread(target=_drop_after_reading, args=(port, accepted, stop), daemon=True)
+    t.start()
+    time.sleep(0.3)
+
+    async def go():
+        async with AsyncExecutorClient(f"http://127.0.0.1:{port}", retries=3, backoff_s=0.01) as c:
+            await c.execute("print(1)")
+    try:
+        with pytest.raises(ExecutorUnavailable, match="no usable answer"):
+            asyncio.run(go())
+    finally:
+        stop.set()
+        t.join(5)
+    assert len(accepted) == 1
+
+
+def test_async_client_retries_refused_connects_then_unavailable():
+    async def go():
+        async with AsyncExecutorClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01) as c:
+            await c.execute("print(1)")
+    with pytest.raises(ExecutorUnavailable, match="after 3 attempts"):
+        asyncio.run(go())

@@ -21,7 +21,7 @@ from urllib.parse import quote
 import httpx
 
 from toolrl.executor.api import BatchResponse, ExecRequest, ExecResult
-from toolrl.net import RetryPolicy, auth_headers, retry_after_s
+from toolrl.net import RetryPolicy, async_transport, auth_headers, never_sent, retry_after_s
 
 RETRY_STATUS = (429, 503)  # the service did not run the request: always safe to send again
 
@@ -78,7 +78,7 @@ class _Common:
     def _decide(self, resp: httpx.Response | None, exc: Exception | None, attempt: int, path: str):
         """Returns the response to use, or None to retry; raises when there is nothing more to try."""
         if exc is not None:
-            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+            if never_sent(exc):
                 if attempt < self.retry.retries:
                     return None
                 raise ExecutorUnavailable(f"cannot reach the executor at {self.url}{path} after "
@@ -171,9 +171,9 @@ class AsyncExecutorClient(_Common):
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 60.0, retries: int = 5,
                  transport: httpx.AsyncBaseTransport | None = None, **kw):
         super().__init__(url, token, timeout_s, retries, **kw)
+        # Every tool call is a request: the aiohttp transport halves the client's CPU per call
         self._http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(token), timeout=timeout_s,
-                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-                                       transport=transport)
+                                       transport=transport or async_transport())
 
     async def _request(self, method: str, path: str, json: Any = None, timeout=None) -> httpx.Response:
         attempt = 0
