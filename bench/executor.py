@@ -9,7 +9,9 @@ machine's speed drifts from minute to minute):
   * session blocks per second, as rollouts use them (new session, three blocks, delete);
   * latency of one trivial snippet through POST /execute with 8 concurrent clients: a minimal
     HTTP/1.1 load generator (p99_ms_c8, the service's latency) and AsyncExecutorClient callers
-    (p99_ms_c8_async_client, which adds httpx's CPU on the same two cores).
+    (p99_ms_c8_async_client, which adds the client's CPU on the same two cores), the client as
+    shipped (aiohttp transport) alternating with the same client on httpx's own transport
+    (p99_ms_c8_async_client_httpx), each with the caller's CPU per request.
 Prints readable lines, then one final JSON line with batch_exec_per_s, ratio_vs_subprocess, p99_ms_c8.
 """
 from __future__ import annotations
@@ -26,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -124,9 +128,14 @@ async def bench_latency_raw(port: int, clients: int, requests: int) -> list[floa
     return lat
 
 
-async def bench_latency(url: str, clients: int, requests: int) -> list[float]:
+async def bench_latency(url: str, clients: int, requests: int, httpx_transport: bool = False
+                        ) -> tuple[list[float], float]:
+    """Latencies (ms) and the caller's CPU per request (ms) of AsyncExecutorClient callers; with
+    `httpx_transport`, the client on httpx's own transport (the baseline of toolrl.net.async_transport)."""
     lat: list[float] = []
-    async with AsyncExecutorClient(url, timeout_s=60) as c:
+    transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=256, max_keepalive_connections=64)) \
+        if httpx_transport else None
+    async with AsyncExecutorClient(url, timeout_s=60, transport=transport) as c:
         for _ in range(20):  # warm connections
             await c.execute(SNIPPET)
 
@@ -138,8 +147,10 @@ async def bench_latency(url: str, clients: int, requests: int) -> list[float]:
                 if r.status != "ok" or r.stdout != "2\n":
                     raise SystemExit(f"wrong result in the latency benchmark: {r}")
 
+        cpu0 = time.process_time()
         await asyncio.gather(*(worker(requests // clients) for _ in range(clients)))
-    return lat
+        cpu_ms = (time.process_time() - cpu0) * 1000 / len(lat)
+    return lat, cpu_ms
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -215,7 +226,12 @@ def main() -> None:
                   f"subprocess-per-snippet {sub_rates[-1]:.0f} exec/s", flush=True)
         session_blocks = asyncio.run(bench_sessions(url, args.rollouts))
         lat = asyncio.run(bench_latency_raw(port, 8, args.c8_requests))
-        lat_client = asyncio.run(bench_latency(url, 8, args.c8_requests // 2))
+        lat_client, lat_httpx, cpu_client, cpu_httpx = [], [], [], []
+        for _ in range(2):  # alternate the two transports, so drift hits both alike
+            for on_httpx, lats, cpus in ((False, lat_client, cpu_client), (True, lat_httpx, cpu_httpx)):
+                got, cpu_req = asyncio.run(bench_latency(url, 8, args.c8_requests // 4, on_httpx))
+                lats += got
+                cpus.append(cpu_req)
     finally:
         service.stop()
     batch = statistics.median(batch_rates)
@@ -230,11 +246,17 @@ def main() -> None:
           f"{session_blocks:.0f} blocks/s")
     print(f"/execute with 8 concurrent clients (raw HTTP load generator), {len(lat)} requests: "
           f"p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {max(lat):.1f} ms")
-    print(f"/execute with 8 concurrent AsyncExecutorClient callers, {len(lat_client)} requests: "
-          f"p50 {pct(lat_client, 0.5):.1f} ms, p99 {pct(lat_client, 0.99):.1f} ms")
+    for name, lats, cpus in (("AsyncExecutorClient", lat_client, cpu_client),
+                             ("AsyncExecutorClient on httpx's own transport", lat_httpx, cpu_httpx)):
+        print(f"/execute with 8 concurrent {name} callers, {len(lats)} requests: p50 "
+              f"{pct(lats, 0.5):.1f} ms, p99 {pct(lats, 0.99):.1f} ms; caller CPU "
+              f"{statistics.mean(cpus):.2f} ms per request")
     print(json.dumps({"batch_exec_per_s": round(batch, 1), "ratio_vs_subprocess": round(batch / sub, 2),
                       "p99_ms_c8": round(p99, 1), "p50_ms_c8": round(p50, 1),
                       "p99_ms_c8_async_client": round(pct(lat_client, 0.99), 1),
+                      "p99_ms_c8_async_client_httpx": round(pct(lat_httpx, 0.99), 1),
+                      "client_cpu_ms_per_request": round(statistics.mean(cpu_client), 2),
+                      "client_cpu_ms_per_request_httpx": round(statistics.mean(cpu_httpx), 2),
                       "service_cpu_ms_per_exec": round(cpu, 2),
                       "session_blocks_per_s": round(session_blocks, 1),
                       "loadavg_1m_end": round(os.getloadavg()[0], 2),
