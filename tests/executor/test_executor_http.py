@@ -329,12 +329,14 @@ def _drop_after_reading(port: int, accepted: list, stop: threading.Event) -> Non
             with conn:
                 data = b""
                 while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
+                    if not (chunk := conn.recv(65536)):
+                        break  # the client closed first: nothing more will come
+                    data += chunk
                 head, _, body = data.partition(b"\r\n\r\n")
-                length = int(next(v for k, v in (h.split(b":", 1) for h in head.split(b"\r\n")[1:])
-                                  if k.strip().lower() == b"content-length"))
-                while len(body) < length:
-                    body += conn.recv(65536)
+                length = int(next((v for k, v in (h.split(b":", 1) for h in head.split(b"\r\n")[1:] if b":" in h)
+                                   if k.strip().lower() == b"content-length"), 0))
+                while len(body) < length and (chunk := conn.recv(65536)):
+                    body += chunk
 
 
 def test_async_client_never_resends_a_request_the_server_dropped():
