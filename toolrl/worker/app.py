@@ -107,7 +107,8 @@ def build_app(worker) -> FastAPI:
         except (DataError, FileNotFoundError, ValueError) as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from None
         log.info("evaluating policy version %d on %d problems of %s", worker.version, len(problems), req.task)
-        res = await worker.agent.evaluate(problems, req.samples, req.ks, req.concurrency)
+        async with worker.evaluating():  # every core the engine is bound to: the caller waits for this
+            res = await worker.agent.evaluate(problems, req.samples, req.ks, req.concurrency)
         log.info("evaluation of version %d: accuracy %.3f (%.0fs)", res["policy_version"], res["accuracy"],
                  res["wall_s"])
         return res

