@@ -7,8 +7,9 @@ Not a test.
 
 Each setting runs in a process of its own (so one peak cannot carry into the next): the DeepSpeed
 learner (toolrl.learner.trainer.Trainer) on `--config`'s model and dtype (default configs/cpu_demo.yaml,
-dtype auto), `--steps` GRPO steps on the same batch (24 samples in groups of 4 sharing a
-`--prompt-tokens` prompt, `--completion-tokens` completions with a tool-output span; by default the
+dtype auto), `--steps` GRPO steps on the same batch (`--samples`, default 24, in groups of 4 sharing a
+`--prompt-tokens` prompt; the demo's batch is 16: 4 problems of 2 rollouts + 2 teacher traces),
+`--completion-tokens` completions with a tool-output span; by default the
 demo's shape, ~360 and ~250; bench/learner.py's make_batch). Reported: the
 process's peak resident memory (ru_maxrss: weights, DeepSpeed's fp32 master copy, gradients and Adam
 moments, activations, allocator slack) and resident memory right after the engine is built (before
@@ -50,7 +51,8 @@ def rss_mb() -> float:
     return 0.0
 
 
-def one(setting: str, steps: int, config: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def one(setting: str, steps: int, config: str, prompt_tokens: int, completion_tokens: int,
+        samples: int = 24) -> dict:
     from procs import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -66,7 +68,7 @@ def one(setting: str, steps: int, config: str, prompt_tokens: int, completion_to
     cfg = load_config(config, [*SETTINGS[setting], "logging.wandb_mode=disabled"])
     tr = Trainer(cfg, resolve_model(cfg.model.name))
     states = rss_mb()
-    batch = bench_learner.make_batch(24, prompt_tokens, completion_tokens, group=4)
+    batch = bench_learner.make_batch(samples, prompt_tokens, completion_tokens, group=4)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -84,10 +86,11 @@ def main() -> None:
     ap.add_argument("--config", default="configs/cpu_demo.yaml")
     ap.add_argument("--prompt-tokens", type=int, default=360)
     ap.add_argument("--completion-tokens", type=int, default=250)
+    ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # run one setting in this process
     args = ap.parse_args()
     if args.one:
-        result = one(args.one, args.steps, args.config, args.prompt_tokens, args.completion_tokens)
+        result = one(args.one, args.steps, args.config, args.prompt_tokens, args.completion_tokens, args.samples)
         print(json.dumps(result), flush=True)
         return
     chosen = [s for s in args.settings.split(",") if s]
@@ -99,7 +102,7 @@ def main() -> None:
     results = {}
     for s in chosen:
         shape = ["--config", args.config, "--prompt-tokens", str(args.prompt_tokens),
-                 "--completion-tokens", str(args.completion_tokens)]
+                 "--completion-tokens", str(args.completion_tokens), "--samples", str(args.samples)]
         p = subprocess.run([sys.executable, __file__, "--one", s, "--steps", str(args.steps), *shape], cwd=ROOT,
                            capture_output=True, text=True, timeout=1800)
         if p.returncode != 0:
@@ -109,7 +112,8 @@ def main() -> None:
         print(f"{s:>9}: peak {r['peak_rss_mb']:.0f} MB (states alone {r['states_rss_mb']:.0f} MB), "
               f"step {r['step_s_median']} s median of {r['step_s']}", flush=True)
     print(json.dumps({"cpu_flags": flags, "config": args.config, "steps": args.steps,
-                      "prompt_tokens": args.prompt_tokens, "completion_tokens": args.completion_tokens,
+                      "samples": args.samples, "prompt_tokens": args.prompt_tokens,
+                      "completion_tokens": args.completion_tokens,
                       "results": results}), flush=True)
 
 

@@ -107,8 +107,12 @@ def test_the_model_runs_in_the_engine_core_process_with_vllms_thread_binding(sta
     assert len(engine) == 1, engine
     assert not [p for p in _children(engine[0]) if "VLLM" in Path(f"/proc/{p}/comm").read_text()]
     env = dict(x.split("=", 1) for x in Path(f"/proc/{engine[0]}/environ").read_text().split("\0") if "=" in x)
-    cores = os.sched_getaffinity(engine[0])  # bound (through OMP_PLACES or GOMP_CPU_AFFINITY)
-    assert int(env["OMP_NUM_THREADS"]) == len(cores) < os.cpu_count(), (cores, env)  # a core kept free
+    # each OpenMP thread bound to its core (through OMP_PLACES or GOMP_CPU_AFFINITY): every core, as
+    # cpu_demo's rollout.cpu_threads_bind "all" asks
+    cores = set().union(*(os.sched_getaffinity(int(t.name)) for t in Path(f"/proc/{engine[0]}/task").iterdir()))
+    assert int(env["OMP_NUM_THREADS"]) == len(cores) == len(os.sched_getaffinity(0)), (cores, env)
+    # ... while training rollouts run on rollout.cpu_threads (1), leaving the learner a core
+    assert httpx.get(f"{stack['worker']}/stats", timeout=10).json()["engine_threads"] == 1
 
 
 def test_workers_register_and_report(stack, samples):
@@ -404,6 +408,22 @@ def test_bad_evaluate_requests_are_refused(stack):
         r = httpx.post(f"{url}/evaluate", json=body, timeout=30)
         assert r.status_code == code and words in r.text, (body, r.status_code, r.text)
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_an_evaluation_runs_on_every_bound_core_and_training_rollouts_on_one_again(stack):
+    """The learner waits for POST /evaluate, so the engine takes all its cores for it (cpu_demo:
+    every core) and goes back to rollout.cpu_threads when it ends, as the worker's log says."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: nothing to change")
+    log_before = stack["procs"][1].tail(10_000).count("engine threads:")
+    r = httpx.post(f"{stack['worker']}/evaluate", json={"task": "arithmetic:1", "n_problems": 2, "concurrency": 2},
+                   timeout=300)
+    assert r.status_code == 200, r.text
+    lines = [x for x in stack["procs"][1].tail(10_000).splitlines() if "engine threads:" in x][log_before:]
+    ncpu = len(os.sched_getaffinity(0))
+    assert [x.split("engine threads: ", 1)[1] for x in lines] == \
+        [f"{ncpu} (evaluating)", "1 (training rollouts)"], lines
+    assert httpx.get(f"{stack['worker']}/stats", timeout=10).json()["engine_threads"] == 1
 
 
 def test_seeded_requests_repeat_their_tokens_whatever_else_the_engine_runs(stack):
