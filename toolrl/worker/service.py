@@ -65,7 +65,11 @@ class GenWorker:
             return
         async with self._threads_lock:  # concurrent evaluations: changes apply in the order decided
             want = None if self.evaluations else self.cfg.rollout.cpu_threads
-            got = await self.agent.engine.set_threads(want)
+            try:
+                got = await self.agent.engine.set_threads(want)
+            except Exception as exc:  # a matter of speed: never fail an evaluation or the worker for it
+                log.warning("could not set the engine's threads to %s: %s", want or "all bound cores", exc)
+                return
             if got is not None and got != self.engine_threads:
                 log.info("engine threads: %d (%s)", got, "evaluating" if want is None else "training rollouts")
             self.engine_threads = got
