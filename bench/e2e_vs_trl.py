@@ -75,6 +75,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from toolrl.config import load_config  # noqa: E402
+from toolrl.models import cpu_flags  # noqa: E402
 from toolrl.net import free_port  # noqa: E402
 
 CONFIG = "configs/cpu_demo.yaml"
@@ -563,7 +564,7 @@ def main() -> None:
         schedule.append("ours_tool")
     n_ours = sum(k.startswith("ours") for k in schedule)
     train_min = plan_minutes(args, n_ours, len(schedule) - n_ours, len(schedule) + 1)
-    flags = sorted(set(os.popen("grep -o -E 'avx512_bf16|amx_bf16|avx2' /proc/cpuinfo").read().split()))
+    flags = cpu_flags()
     log(f"e2e vs TRL in {work}: runs {', '.join(schedule)}; training budget {train_min:.1f} min each; {dtype}; "
         f"CPU flags {' '.join(flags)}; {os.cpu_count()} cores; load {os.getloadavg()[0]:.2f}")
     problems = work / "problems.jsonl"

@@ -122,8 +122,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args)
-    flags = sorted({f for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-                    for f in line.split(":", 1)[1].split() if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")})
+    from toolrl.models import cpu_flags  # here: the parent process imports no torch otherwise
+
+    flags = cpu_flags()
     runs: dict[str, list[dict]] = {"uni": [], "mp": []}
     for r in range(args.rounds):
         for backend in (("uni", "mp") if r % 2 == 0 else ("mp", "uni")):

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from toolrl.config import load_config  # noqa: E402
 from toolrl.executor.local import executor_available  # noqa: E402
-from toolrl.models import resolve_run_model  # noqa: E402
+from toolrl.models import cpu_flags, resolve_run_model  # noqa: E402
 from toolrl.tasks import load_task, task_seed  # noqa: E402
 from toolrl.worker.agent import Agent  # noqa: E402
 
@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     sets = ["rollout.cpu_threads_bind=all"] + ([f"model.name={resolve_run_model(args.model)}"] if args.model else [])
     cfg = load_config(args.config, sets)
-    flags = sorted(x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if x in Path("/proc/cpuinfo").read_text())
+    flags = cpu_flags()
     print(f"{cfg.model.name}, {cfg.eval.n_problems} problems of {cfg.eval.task}, cpu flags {' '.join(flags)}",
           flush=True)
     with executor_available(cfg) as cfg2:

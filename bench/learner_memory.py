@@ -97,7 +97,9 @@ def main() -> None:
     unknown = [s for s in chosen if s not in SETTINGS]
     if unknown:
         ap.error(f"unknown settings {unknown}; known: {list(SETTINGS)}")
-    flags = sorted(x for x in ("avx2", "avx512_bf16", "amx_bf16") if x in Path("/proc/cpuinfo").read_text())
+    from toolrl.models import cpu_flags  # here: the parent process imports no torch otherwise
+
+    flags = cpu_flags()
     print(f"{len(chosen)} settings, {args.steps} steps each, {os.cpu_count()} cores ({' '.join(flags)})", flush=True)
     results = {}
     for s in chosen:

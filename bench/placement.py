@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_vs_trl import ROOT, log, plain_sets, run_ours  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
-from toolrl.models import resolve_dtype  # noqa: E402
+from toolrl.models import cpu_flags, resolve_dtype  # noqa: E402
 
 
 def placements(ncpu: int) -> dict[str, list[str]]:
@@ -72,7 +72,7 @@ def main() -> None:
         ap.error(f"placements of {list(known)} on a machine of at least 2 cores (this one has {ncpu})")
     out = Path(args.out or ROOT / "runs" / f"placement-{time.strftime('%Y%m%d-%H%M%S')}")
     dtype = resolve_dtype("auto")
-    flags = sorted(set(x for x in ("avx2", "avx512_bf16", "amx_bf16") if x in Path("/proc/cpuinfo").read_text()))
+    flags = cpu_flags()
     log(f"{len(chosen)} placements x {args.repeats} on {ncpu} cores ({' '.join(flags)}), {dtype}, "
         f"{args.budget_s:.0f} s of training each, in {out}")
     results: dict[str, list[dict]] = {p: [] for p in chosen}

@@ -122,13 +122,16 @@ def test_cli_get_for_shell():
 
 
 def test_auto_dtype_is_bf16_only_where_the_machine_computes_it_natively():
-    from toolrl.models import cpu_has_bf16, native_bf16, resolve_dtype
+    from toolrl.models import cpu_flags, cpu_has_bf16, native_bf16, resolve_dtype
 
     zen3 = "flags\t\t: fpu sse2 avx avx2 fma f16c bmi2\n"
     zen4 = "flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 avx512_vnni\n"
     spr = "flags\t\t: fpu avx2 avx512f amx_bf16 amx_tile amx_int8\n"
     assert [cpu_has_bf16(t) for t in (zen3, zen4, spr)] == [False, True, True]
     assert not cpu_has_bf16("flags : avx512_bf16x avx512bw")  # whole flags only
+    assert [cpu_flags(t) for t in (zen3, zen4, spr)] == [["avx2"], ["avx2", "avx512f", "avx512_bf16"],
+                                                        ["avx2", "avx512f", "amx_bf16"]]
+    assert cpu_flags("flags : avx512fp16 avx2x") == []  # whole flags only
     for name in ("bfloat16", "float32", "float16"):
         assert resolve_dtype(name) == name
     assert resolve_dtype("auto") == ("bfloat16" if native_bf16() else "float32")

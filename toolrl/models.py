@@ -199,6 +199,21 @@ def native_bf16() -> bool:
         return False
 
 
+REPORTED_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """Which of REPORTED_CPU_FLAGS this CPU has (whole flags, from /proc/cpuinfo's text, read when not
+    given): the flags every benchmark names with its figures, since the hosts differ in them."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    have = set(cpuinfo.split())
+    return [f for f in REPORTED_CPU_FLAGS if f in have]
+
+
 def cpu_has_bf16(cpuinfo: str) -> bool:
     """From /proc/cpuinfo's text: a bf16 dot-product instruction (AVX512-BF16) or AMX tiles."""
     return any(f in cpuinfo.split() for f in ("avx512_bf16", "amx_bf16"))

@@ -413,14 +413,14 @@ def test_bad_evaluate_requests_are_refused(stack):
 def test_an_evaluation_runs_on_every_bound_core_and_training_rollouts_on_one_again(stack):
     """The learner waits for POST /evaluate, so the engine takes all its cores for it (cpu_demo:
     every core) and goes back to rollout.cpu_threads when it ends, as the worker's log says."""
-    if len(os.sched_getaffinity(0)) < 2:
+    ncpu = len(os.sched_getaffinity(0))
+    if ncpu < 2:
         pytest.skip("one core: nothing to change")
     log_before = stack["procs"][1].tail(10_000).count("engine threads:")
     r = httpx.post(f"{stack['worker']}/evaluate", json={"task": "arithmetic:1", "n_problems": 2, "concurrency": 2},
                    timeout=300)
     assert r.status_code == 200, r.text
     lines = [x for x in stack["procs"][1].tail(10_000).splitlines() if "engine threads:" in x][log_before:]
-    ncpu = len(os.sched_getaffinity(0))
     assert [x.split("engine threads: ", 1)[1] for x in lines] == \
         [f"{ncpu} (evaluating)", "1 (training rollouts)"], lines
     assert httpx.get(f"{stack['worker']}/stats", timeout=10).json()["engine_threads"] == 1

