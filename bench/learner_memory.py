@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--one", help=argparse.SUPPRESS)  # run one setting in this process
     args = ap.parse_args()
+    if args.samples < 1:
+        ap.error(f"--samples must be at least 1, got {args.samples}")
     if args.one:
         result = one(args.one, args.steps, args.config, args.prompt_tokens, args.completion_tokens, args.samples)
         print(json.dumps(result), flush=True)
