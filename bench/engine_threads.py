@@ -43,7 +43,7 @@ async def alternate(cfg, rounds: int) -> dict:
         for r in range(rounds):
             for side, n in (("one_thread", 1), ("all_threads", None)):
                 got = await agent.engine.set_threads(n)
-                res = await agent.evaluate(problems, e.samples, e.ks, e.concurrency)
+                res = await agent.evaluate(problems, e.samples, e.ks, e.concurrency, temperature=e.temperature)
                 tok_s = res["mean_completion_tokens"] * res["n_samples"] / res["wall_s"]
                 out[f"{side}_s"].append(round(res["wall_s"], 1))
                 out[f"{side}_tok_s"].append(round(tok_s, 1))

@@ -65,7 +65,7 @@ class PlannedGenerator:
     def __init__(self, engine: VllmEngine, plans: dict[str, list[int]]):
         self.engine, self.plans = engine, plans
 
-    async def generate(self, ids, max_tokens, request_id, seed=None):
+    async def generate(self, ids, max_tokens, request_id, seed=None, temperature=None):
         rid, seg = request_id.rsplit(".", 1)
         plan = self.plans[rid]
         k = int(seg) // 2  # segments alternate model/tool

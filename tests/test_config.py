@@ -73,6 +73,11 @@ def test_cross_field_check():
     with pytest.raises(ConfigError, match="downsample_to"):
         load_config(None, ["grpo.downsample_to=1", "rollout.group_size=4"])
     assert load_config(None, ["grpo.downsample_to=4", "rollout.group_size=8"]).grpo.downsample_to == 4
+    with pytest.raises(ConfigError, match="eval.temperature 0 .greedy. gives every sample the same answer"):
+        load_config(None, ["eval.temperature=0", "eval.samples=4"])
+    assert load_config(None, ["eval.temperature=0"]).eval.temperature == 0
+    with pytest.raises(ConfigError, match="eval.temperature"):
+        load_config(None, ["eval.temperature=-0.5"])
 
 
 def test_cli_print_and_error():

@@ -452,6 +452,16 @@ class EvalConfig(Section):
     before_after: bool = False  # ... and before the first step and after the last (summary.json)
     concurrency: int = Field(16, ge=1)  # problems in flight on the worker
     timeout_s: float = Field(1800.0, gt=0)
+    # None: sample at rollout.temperature (the training distribution); 0: greedy decoding, the answer
+    # the policy thinks most likely (as inference.py and chat give it). evaluate.py uses it too.
+    temperature: float | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _greedy_once(self) -> "EvalConfig":
+        if self.temperature == 0 and self.samples > 1:
+            raise ValueError(f"eval.temperature 0 (greedy) gives every sample the same answer: eval.samples "
+                             f"must be 1, not {self.samples}")
+        return self
 
 
 class LoggingConfig(Section):

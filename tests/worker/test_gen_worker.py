@@ -404,6 +404,7 @@ def test_bad_evaluate_requests_are_refused(stack):
                               ({"task": "nosuch:thing"}, 400, "unknown task"),
                               ({"samples": 1, "ks": [5]}, 400, "each k must lie in [1, samples=1]"),
                               ({"n_problems": 0}, 422, "n_problems"),
+                              ({"temperature": -1}, 422, "temperature"),
                               ({"task": "arithmetic", "bogus": 1}, 422, "bogus")):
         r = httpx.post(f"{url}/evaluate", json=body, timeout=30)
         assert r.status_code == code and words in r.text, (body, r.status_code, r.text)
@@ -417,9 +418,10 @@ def test_an_evaluation_runs_on_every_bound_core_and_training_rollouts_on_one_aga
     if ncpu < 2:
         pytest.skip("one core: nothing to change")
     log_before = stack["procs"][1].tail(10_000).count("engine threads:")
-    r = httpx.post(f"{stack['worker']}/evaluate", json={"task": "arithmetic:1", "n_problems": 2, "concurrency": 2},
-                   timeout=300)
+    r = httpx.post(f"{stack['worker']}/evaluate", json={"task": "arithmetic:1", "n_problems": 2, "concurrency": 2,
+                                                        "temperature": 0}, timeout=300)
     assert r.status_code == 200, r.text
+    assert r.json()["temperature"] == 0  # greedy, asked for; the stack samples at TEMP
     lines = [x for x in stack["procs"][1].tail(10_000).splitlines() if "engine threads:" in x][log_before:]
     assert [x.split("engine threads: ", 1)[1] for x in lines] == \
         [f"{ncpu} (evaluating)", "1 (training rollouts)"], lines

@@ -39,7 +39,7 @@ class Streaming:
         self.requests: list[tuple[str, int]] = []  # (request id, tokens already in place)
         self.on_token = lambda emitted: None
 
-    async def generate(self, ids, max_tokens, request_id, seed=None):
+    async def generate(self, ids, max_tokens, request_id, seed=None, temperature=None):
         if self.seg_start is None:
             self.seg_start = len(ids)
         target, done = self.targets[self.seg], len(ids) - self.seg_start

@@ -33,7 +33,7 @@ class Script:
         self.segments = list(segments)
         self.prompts = []
 
-    async def generate(self, ids, max_tokens, request_id, seed=None):
+    async def generate(self, ids, max_tokens, request_id, seed=None, temperature=None):
         self.prompts.append(list(ids))
         text, stop = self.segments.pop(0)
         toks = TOK.encode(text, add_special_tokens=False)
@@ -69,12 +69,13 @@ class ByProblem:
     as (text, stop), i being the problem's index in `problems` found in the prompt."""
 
     def __init__(self, problems, answer):
-        self.problems, self.answer, self.requests = problems, answer, []
+        self.problems, self.answer, self.requests, self.temperatures = problems, answer, [], []
 
-    async def generate(self, ids, max_tokens, request_id, seed=None):
+    async def generate(self, ids, max_tokens, request_id, seed=None, temperature=None):
         text = TOK.decode(ids)
         i = next(i for i, p in enumerate(self.problems) if p.question in text)
         self.requests.append(request_id)
+        self.temperatures.append(temperature)
         out, stop = await self.answer(i, self.problems[i], request_id, text)
         toks = TOK.encode(out, add_special_tokens=False)
         return GenOut(toks, [-0.5] * len(toks), out, "stop", stop)
@@ -267,6 +268,23 @@ def test_evaluate_scores_the_policy_alone_and_leaves_training_state_alone(tool):
     assert worker.stats.samples == 0 and worker.stats.teacher_traces == 0 and worker.producer.level == 1
 
 
+def test_evaluate_decodes_at_the_temperature_asked(tool):
+    """eval.temperature reaches every segment the engine decodes (0: greedy) and the result names
+    it; without one, the engine samples at its own rollout temperature, as training does."""
+    problems = arithmetic_problems(2, seed=5, level=1)
+
+    async def answer(i, p, request_id, text):
+        return solve(p, text)
+
+    for asked, reported in ((0.0, 0.0), (None, 0.8)):
+        engine = ByProblem(problems, answer)
+        worker = demo_worker(tool, engine)
+        assert worker.cfg.rollout.temperature == 0.8
+        res = run_worker(worker, lambda w=worker, t=asked: w.agent.evaluate(problems, 1, [1], 2, temperature=t))
+        assert engine.temperatures == [asked] * 4  # 2 problems x (program, then answer)
+        assert res["temperature"] == reported and res["accuracy"] == 1.0
+
+
 def test_curriculum_promotes_on_accuracy_and_mix_levels_keeps_reviewing():
     """Arithmetic curriculum: the level rises once the recent groups' accuracy passes the bar; with
     data.mix_levels the problems cycle through every level up to the current one."""
@@ -432,7 +450,7 @@ class Recording:
     def __init__(self):
         self.seen = []
 
-    async def generate(self, ids, max_tokens, request_id, seed=None):
+    async def generate(self, ids, max_tokens, request_id, seed=None, temperature=None):
         text = TOK.decode(ids)
         sample, segment = request_id.split(".")[-2:]
         self.seen.append((text, sample, segment, seed))
@@ -491,7 +509,7 @@ def test_a_group_the_reference_server_refuses_is_left_out_and_the_worker_goes_on
         return boxed(p.answer if request_id.split(".")[-2] == "0" else -1), None
 
     class FirstGroupBroken(ByProblem):
-        async def generate(self, ids, max_tokens, request_id, seed=None):
+        async def generate(self, ids, max_tokens, request_id, seed=None, temperature=None):
             out = await super().generate(ids, max_tokens, request_id, seed)
             if problems[0].question in TOK.decode(ids):
                 out.logprobs[:] = [-2e4] * len(out.logprobs)

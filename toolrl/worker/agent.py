@@ -67,16 +67,17 @@ class Agent:
 
     # -- acting ---------------------------------------------------------------------------------
     async def rollouts(self, prompt: list[int], gid: str, n: int, versions: Versions | None = None,
-                       seed_key: str | None = None) -> list[Rollout]:
+                       seed_key: str | None = None, temperature: float | None = None) -> list[Rollout]:
         """n rollouts of one prompt; `{gid}.{i}` are the request ids and the executor session ids.
         Each is its own request, so one sample's tool call never stalls the others. `versions`:
         the gate for interruptible rollouts, else FixedVersion(the version they run under).
         `seed_key`: with rollout.seeded, the group's place in the problem stream, whence each
-        sample's seed (toolrl.worker.rollout.request_seed)."""
+        sample's seed (toolrl.worker.rollout.request_seed). `temperature`: None for the rollout
+        temperature, 0 for greedy decoding."""
         seeds = [request_seed(self.cfg.data.seed, seed_key, i) if self.cfg.rollout.seeded and seed_key else None
                  for i in range(n)]
         return await asyncio.gather(*[run_rollout(self.engine, self.tool, self.tokenizer, prompt, self.cfg.rollout,
-                                                  f"{gid}.{i}", self.pending_code, versions, seeds[i])
+                                                  f"{gid}.{i}", self.pending_code, versions, seeds[i], temperature)
                                       for i in range(n)])
 
     async def answer(self, question: str, request_id: str) -> Rollout:
@@ -117,10 +118,11 @@ class Agent:
 
     # -- held-out evaluation --------------------------------------------------------------------
     async def evaluate(self, problems: list[Problem], samples: int, ks: list[int], concurrency: int = 16,
-                       on_problem=None) -> dict:
+                       on_problem=None, temperature: float | None = None) -> dict:
         """`samples` rollouts of each problem with the weights held now: the policy alone (no teacher
         traces), scored as in training, counted in no training statistic. Behind a gate, a weight
-        update drains these rollouts like any others."""
+        update drains these rollouts like any others. `temperature`: None samples at the rollout
+        temperature, 0 decodes greedily (eval.temperature); the result names the one used."""
         sem = asyncio.Semaphore(concurrency)
         version = self.gate.version if self.gate is not None else 0
         groups: dict[str, list[Sample]] = {}
@@ -132,7 +134,8 @@ class Agent:
             async with sem:
                 async with self.gated() as v:
                     gid = self.group_id(problem.id, "eval:")
-                    rolls = await self.rollouts(self.prompt_ids(problem.question), gid, samples, FixedVersion(v))
+                    rolls = await self.rollouts(self.prompt_ids(problem.question), gid, samples, FixedVersion(v),
+                                                temperature=temperature)
                 kept = [r for r in rolls if r.stop_reason not in INFRA_FAILED]  # not the model's doing
                 aborted += len(rolls) - len(kept)
                 try:
@@ -148,7 +151,8 @@ class Agent:
         await asyncio.gather(*[one(p) for p in problems])
         out = summarize(problems, groups, ks)
         out.update(policy_version=version, policy_version_end=self.gate.version if self.gate is not None else 0,
-                   aborted_samples=aborted, unscored_problems=unscored, wall_s=time.time() - t0)
+                   aborted_samples=aborted, unscored_problems=unscored, wall_s=time.time() - t0,
+                   temperature=self.cfg.rollout.temperature if temperature is None else temperature)
         return out
 
     async def aclose(self) -> None:

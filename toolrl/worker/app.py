@@ -61,6 +61,7 @@ class EvalRequest(BaseModel):
     ks: list[int] = Field(default_factory=lambda: [1])
     seed: int | None = None
     concurrency: int = Field(16, ge=1, le=1024)
+    temperature: float | None = Field(None, ge=0, le=10)  # None: the rollout temperature; 0: greedy
 
 
 def build_app(worker) -> FastAPI:
@@ -108,7 +109,8 @@ def build_app(worker) -> FastAPI:
             raise HTTPException(status_code=400, detail=str(exc)) from None
         log.info("evaluating policy version %d on %d problems of %s", worker.version, len(problems), req.task)
         async with worker.evaluating():  # every core the engine is bound to: the caller waits for this
-            res = await worker.agent.evaluate(problems, req.samples, req.ks, req.concurrency)
+            res = await worker.agent.evaluate(problems, req.samples, req.ks, req.concurrency,
+                                              temperature=req.temperature)
         log.info("evaluation of version %d: accuracy %.3f (%.0fs)", res["policy_version"], res["accuracy"],
                  res["wall_s"])
         return res

@@ -19,7 +19,7 @@ def evaluate_on_worker(cfg: Config, workers: list[dict], version: int, pushed: d
                            f"(workers: {[(w['id'], w.get('policy_version')) for w in workers]})")
     w, e = holding[0], cfg.eval
     body = {"task": e.task, "n_problems": e.n_problems, "samples": e.samples, "ks": e.ks, "seed": e.seed,
-            "concurrency": e.concurrency}
+            "concurrency": e.concurrency, "temperature": e.temperature}
     try:
         r = httpx.post(f"{w['url']}/evaluate", json=body, headers=auth_headers(cfg.rollout.token), timeout=e.timeout_s)
     except httpx.HTTPError as exc:

@@ -63,7 +63,8 @@ async def run_eval(cfg: Config, problems: list[Problem], samples_per_problem: in
                                            "text": s.text, "rewards": s.rewards, "stop_reason": s.stop_reason,
                                            "tool_calls": len(s.tool_calls)}) + "\n")
 
-            return await agent.evaluate(problems, samples_per_problem, ks, cfg.eval.concurrency, on_problem)
+            return await agent.evaluate(problems, samples_per_problem, ks, cfg.eval.concurrency, on_problem,
+                                        temperature=cfg.eval.temperature)
     finally:
         if dump:
             dump.close()
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-problems", type=int, default=64)
     parser.add_argument("--samples", type=int, default=1, help="samples per problem (pass@k needs k)")
     parser.add_argument("--ks", default="1,5,10", help="comma-separated k for pass@k (k <= samples)")
-    parser.add_argument("--temperature", type=float, help="sampling temperature (default rollout.temperature)")
+    parser.add_argument("--temperature", type=float,
+                        help="0 = greedy; default eval.temperature, else rollout.temperature")
     parser.add_argument("--seed", type=int, help="problem seed for generated tasks (default data.eval_seed)")
     parser.add_argument("--out", default="runs/eval.json")
     parser.add_argument("--samples-out", help="also write every rollout (text, rewards) to this jsonl file")
@@ -141,22 +143,33 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, DataError, FileNotFoundError) as exc:
         print(f"evaluate.py: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    temperature = cfg.eval.temperature if args.temperature is None else args.temperature
+    if temperature is not None and temperature < 0:
+        print(f"evaluate.py: --temperature must be 0 (greedy) or more, not {temperature}", file=sys.stderr)
+        raise SystemExit(2)
+    if temperature == 0 and args.samples > 1:
+        if args.temperature is not None:
+            print(f"evaluate.py: greedy decoding (--temperature 0) gives every sample the same answer: --samples "
+                  f"{args.samples} needs --temperature above 0", file=sys.stderr)
+            raise SystemExit(2)
+        temperature = None  # the config's greedy is for one answer; pass@k samples as training does
+        print(f"evaluate.py: {args.samples} samples a problem at the rollout temperature {cfg.rollout.temperature} "
+              f"(the config's eval.temperature 0 is greedy: one answer)", file=sys.stderr)
     if dropped := [k for k in ks if k > args.samples]:  # pass@k needs k samples per problem
         print(f"evaluate.py: pass@{', pass@'.join(map(str, dropped))} left out: they need --samples "
               f"{max(dropped)} or more (--samples is {args.samples})", file=sys.stderr)
     ks = [k for k in ks if k <= args.samples] or [1]
-    updates = {"model": cfg.model.model_copy(update={"name": model})}
-    if args.temperature is not None:
-        updates["rollout"] = cfg.rollout.model_copy(update={"temperature": args.temperature})
-    cfg = cfg.model_copy(update=updates)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": model}),
+                                 "eval": cfg.eval.model_copy(update={"temperature": temperature})})
 
     res = evaluate(cfg, problems, args.samples, ks, progress=not args.quiet, samples_out=args.samples_out)
-    res.update(model=args.model, task=args.task, samples_per_problem=args.samples,
-               temperature=cfg.rollout.temperature, prompt=cfg.prompt.system)
+    res.update(model=args.model, task=args.task, samples_per_problem=args.samples, prompt=cfg.prompt.system,
+               temperature=cfg.rollout.temperature if temperature is None else temperature)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
 
-    table = Table(title=f"{args.model} on {args.task}: {res['n_problems']} problems x {args.samples} samples")
+    how = "greedy" if res["temperature"] == 0 else f"temperature {res['temperature']:g}"
+    table = Table(title=f"{args.model} on {args.task}: {res['n_problems']} problems x {args.samples} samples, {how}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("accuracy", f"{res['accuracy']:.3f}")

@@ -31,7 +31,7 @@ TRUNCATION_MARK = "\n...[output truncated]\n"
 
 class Generator(Protocol):
     async def generate(self, ids: list[int], max_tokens: int, request_id: str,
-                       seed: int | None = None) -> GenOut: ...
+                       seed: int | None = None, temperature: float | None = None) -> GenOut: ...
 
 
 class Tool(Protocol):
@@ -130,9 +130,10 @@ def request_seed(*key: object) -> int:
 
 async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: list[int], cfg: RolloutConfig,
                       request_id: str, pending_code: str | None = None, versions: Versions | None = None,
-                      seed: int | None = None) -> Rollout:
+                      seed: int | None = None, temperature: float | None = None) -> Rollout:
     """One sample. `versions`: the gate's segments for an interruptible rollout; default one version (0).
-    `seed`: each model segment is sampled with a seed derived from it and the segment's place."""
+    `seed`: each model segment is sampled with a seed derived from it and the segment's place.
+    `temperature`: None samples at the engine's (the rollout temperature); 0 decodes greedily."""
     r = Rollout(prompt_ids=list(prompt_ids))
     versions = versions or FixedVersion()
     stops = stop_strings(cfg.stop_marker, cfg.stop_at_program_close)
@@ -171,7 +172,8 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
             rid = f"{request_id}.{len(r.segments)}" + (f".r{r.interruptions}" if r.interruptions else "")
             segment_seed = None if seed is None else request_seed(seed, len(r.segments), r.interruptions)
             async with versions.segment(rid) as seg:
-                out = await gen.generate(r.prompt_ids + r.completion_ids, budget, rid, seed=segment_seed)
+                out = await gen.generate(r.prompt_ids + r.completion_ids, budget, rid, seed=segment_seed,
+                                         temperature=temperature)
             if seg.interrupted and out.finish_reason == "abort":  # a weight update: go on under the new one
                 keep = resumable(tokenizer, r.completion_ids[run_start:], out.token_ids, stops)
                 if keep:

@@ -225,7 +225,10 @@ def test_evaluate_py_evaluates_the_test_side_as_written_and_says_which_ks_it_lef
     ev.main(["--model", "tiny-random", "--task", f"code:prepared:{out}", "--n-problems", "1000", "--samples", "4",
              "--ks", "1,5,10", "--out", str(tmp_path / "eval.json"), "--quiet", "--set", "data.seed=99"])
     assert as_values(seen["problems"]) == as_values(read_prepared(out, "test")) and seen["ks"] == [1]
-    assert "pass@5, pass@10 left out: they need --samples 10 or more (--samples is 4)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pass@5, pass@10 left out: they need --samples 10 or more (--samples is 4)" in err
+    # the default config (the demo's) evaluates greedily; four samples a problem are drawn as in training
+    assert "4 samples a problem at the rollout temperature 0.8" in err
     for task, says in ((f"code:prepared:{tmp_path / 'nowhere'}", "not a prepared directory"),
                        (f"code:prepared:{out}+humaneval", "stands alone")):
         with pytest.raises(SystemExit) as exc:
