@@ -4,7 +4,7 @@ import itertools
 import pytest
 
 from toolrl.config import DataConfig
-from toolrl.metrics import applied_sign, batch_stats, pass_at_k, summarize
+from toolrl.metrics import applied_sign, batch_stats, decoding, pass_at_k, summarize
 from toolrl.protocol import Sample, ToolCall
 from toolrl.tasks import Problem, load_task
 
@@ -182,6 +182,9 @@ def test_the_run_summary_carries_held_out_accuracy_of_the_taught_and_teacher_fre
     assert heldout([read])["heldout_free_commas_copied_after"] == 0.125
     assert not [k for k in out if "commas_copied" in k]
     assert out["heldout_taught_accuracy_after"] == 0.6 and out["heldout_accuracy_after"] == 0.6
+    assert out["heldout_temperature"] is None  # rows from before eval.temperature
+    assert heldout([{**read, "temperature": 0.0}])["heldout_temperature"] == 0.0
+    assert [decoding(t) for t in (0, 0.0, 0.8, 1, None)] == ["greedy", "greedy", "T=0.8", "T=1", "sampled"]
     assert "heldout_free_accuracy_after" not in heldout([row("after", 0.6, None)])
 
 

@@ -22,6 +22,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
+def decoding(temperature: float | None) -> str:
+    """How an evaluation drew its answers, as reports name it: "greedy" or "T=0.8"."""
+    if temperature is None:
+        return "sampled"
+    return "greedy" if temperature == 0 else f"T={temperature:g}"
+
+
 def summarize(problems: list, groups: dict[str, list[Sample]], ks: list[int]) -> dict:
     """An evaluation's figures: rates over all samples, unbiased pass@k, per problem, per level and per
     kind. `problems` are toolrl.tasks.Problem; `groups` their samples by problem id."""

@@ -16,6 +16,7 @@ import httpx
 
 from toolrl.config import add_config_args, config_from_args
 from toolrl.logprobs import sample_logprobs
+from toolrl.metrics import decoding
 from toolrl.models import resolve_model
 from toolrl.net import auth_headers
 from toolrl.protocol import Sample
@@ -52,6 +53,7 @@ def heldout(evals: list[dict]) -> dict:
     if evals:
         out["heldout_problems"] = evals[-1]["n_problems"]
         out["heldout_samples"] = evals[-1]["n_samples"]
+        out["heldout_temperature"] = evals[-1].get("temperature")  # 0: greedy (eval.temperature)
     return out
 
 
@@ -153,9 +155,9 @@ def _accuracy(ax, rows, evals):
     _line(ax, rows, "accuracy", "policy samples (training batch)")
     pts = [(e["step"], e["accuracy"]) for e in evals if isinstance(e.get("accuracy"), (int, float))]
     if pts:
-        n = evals[-1].get("n_samples")
+        n, how = evals[-1].get("n_samples"), decoding(evals[-1].get("temperature"))
         ax.plot(*zip(*pts), linestyle="none", marker="s", ms=7, color="tab:red", gid="heldout",
-                label="held-out" + (f" ({n} samples)" if n else ""))
+                label="held-out" + (f" ({n} samples, {how})" if n else ""))
         for x, y in pts:
             ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8,
                         color="tab:red", bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8})
@@ -296,7 +298,7 @@ def main() -> None:
           f"reward {s['reward_first']} -> {s['reward_last']}  wall {s['wall_s']:.0f}s")
     if "heldout_accuracy_after" in s:
         before = s.get("heldout_accuracy_before")
-        print(f"held-out accuracy ({s['heldout_samples']} samples): "
+        print(f"held-out accuracy ({s['heldout_samples']} samples, {decoding(s.get('heldout_temperature'))}): "
               + (f"{before:.3f} before -> " if before is not None else "")
               + f"{s['heldout_accuracy_after']:.3f} after;  tool calls per answer "
               + (f"{s['heldout_tool_calls_per_answer_before']:.2f} -> " if before is not None else "")

@@ -30,6 +30,7 @@ from toolrl.config import Config, add_config_args, config_from_args
 from toolrl.executor.client import ExecutorClient
 from toolrl.executor.local import executor_available
 from toolrl.format import extract_code
+from toolrl.metrics import decoding
 from toolrl.models import resolve_run_model
 from toolrl.tasks import DataError, Problem, load_task, task_seed
 from toolrl.tasks.code.judge import TestSpec, complete_program, run_tests
@@ -168,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
 
-    how = "greedy" if res["temperature"] == 0 else f"temperature {res['temperature']:g}"
-    table = Table(title=f"{args.model} on {args.task}: {res['n_problems']} problems x {args.samples} samples, {how}")
+    table = Table(title=f"{args.model} on {args.task}: {res['n_problems']} problems x {args.samples} samples, "
+                        f"{decoding(res['temperature'])}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("accuracy", f"{res['accuracy']:.3f}")
