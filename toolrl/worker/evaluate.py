@@ -4,6 +4,8 @@
         [--config CFG] [--set k=v ...] [--ks 1,5,10] [--temperature T] [--seed S] [--samples-out F.jsonl]
 
 M: a built-in name (smollm2-135m-instruct), an HF id or path, or a run directory (its export).
+--temperature: 0 decodes greedily (one answer a problem); default eval.temperature (the demo's: 0), else
+   rollout.temperature.
 T: arithmetic[:LEVEL or LO-HI][@KINDS] (held-out seed data.eval_seed unless --seed; KINDS: kind names or
    taught, free, all, verbs, commas, comma-separated, e.g. arithmetic:1-3@free), gsm8k:PATH, math:PATH, jsonl:PATH,
    code:TASKS (the held-out split of data.source=code, e.g. code:humaneval; accuracy = all tests pass;
