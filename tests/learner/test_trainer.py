@@ -144,6 +144,12 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path, capsys):
         every.train_step(batch(i))
         every.save_checkpoint(tmp_path / "all")
     assert len(list((tmp_path / "all").glob("step*"))) == 3
+    one = make_trainer("learner.keep_checkpoints=1")  # the demo's: only the newest, and it resumes
+    for i in range(2):
+        one.train_step(batch(i))
+        one.save_checkpoint(tmp_path / "one")
+    assert [p.name for p in (tmp_path / "one").glob("step*")] == ["step000002"]
+    assert make_trainer().load_checkpoint(tmp_path / "one") is not None
 
 
 def state_of(tr):
