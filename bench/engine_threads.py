@@ -5,10 +5,11 @@ every bound core, alternating on one live engine.
 
 One vLLM engine (the config's model, or `--model`: a run directory's export), bound to every core
 (`rollout.cpu_threads_bind=all`), runs the config's `eval` section (the demo's 64 held-out problems,
-all in flight) through `Agent.evaluate`, the code a gen worker runs for the learner, alternating
-`VllmEngine.set_threads(1)` (the threads a demo's training rollouts use beside the learner) and
-`set_threads(None)` (every bound core: what an evaluation now gets). The same problems and sampling
-on both sides; the policy's answers differ only by sampling. Needs the executor at executor.url; if
+all in flight, decoded as its `eval.temperature` says: greedy for the demo) through `Agent.evaluate`,
+the code a gen worker runs for the learner, alternating `VllmEngine.set_threads(1)` (the threads a
+demo's training rollouts use beside the learner) and `set_threads(None)` (every bound core: what an
+evaluation now gets). The same problems and decoding on both sides; sampled answers differ only by
+sampling. Needs the executor at executor.url; if
 none answers, a private one is started.
 
 Last line: JSON with one_thread_s, all_threads_s (each round's wall), threads and speedup (the ratio

@@ -193,10 +193,7 @@ def native_bf16() -> bool:
 
     if torch.cuda.is_available():
         return torch.cuda.is_bf16_supported()
-    try:
-        return cpu_has_bf16(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return False
+    return cpu_has_bf16()
 
 
 REPORTED_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
@@ -214,9 +211,11 @@ def cpu_flags(cpuinfo: str | None = None) -> list[str]:
     return [f for f in REPORTED_CPU_FLAGS if f in have]
 
 
-def cpu_has_bf16(cpuinfo: str) -> bool:
-    """From /proc/cpuinfo's text: a bf16 dot-product instruction (AVX512-BF16) or AMX tiles."""
-    return any(f in cpuinfo.split() for f in ("avx512_bf16", "amx_bf16"))
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """A bf16 dot-product instruction (AVX512-BF16) or AMX tiles, from /proc/cpuinfo's text (read
+    when not given; unreadable: no)."""
+    flags = cpu_flags(cpuinfo)
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(dtype: str) -> str:
