@@ -24,6 +24,7 @@ def test_evaluate_cli_on_the_tiny_model(tmp_path):
     printed = json.loads(p.stdout.strip().splitlines()[-1])
     assert set(printed) == {"accuracy", "pass_at_k", "format_rate", "tool_calls_per_answer"}
     assert "accuracy" in p.stderr  # the table
+    assert res["temperature"] == 1.0 and "T=1" in p.stderr  # cpu_tiny samples at the default rollout temperature
 
 
 def test_bad_arguments_fail_clearly():

@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> None:
                                  "eval": cfg.eval.model_copy(update={"temperature": temperature})})
 
     res = evaluate(cfg, problems, args.samples, ks, progress=not args.quiet, samples_out=args.samples_out)
-    res.update(model=args.model, task=args.task, samples_per_problem=args.samples, prompt=cfg.prompt.system,
-               temperature=cfg.rollout.temperature if temperature is None else temperature)
+    res.update(model=args.model, task=args.task, samples_per_problem=args.samples, prompt=cfg.prompt.system)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
 

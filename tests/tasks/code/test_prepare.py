@@ -218,6 +218,7 @@ def test_evaluate_py_evaluates_the_test_side_as_written_and_says_which_ks_it_lef
     def fake_evaluate(cfg, problems, samples, ks, progress=True, samples_out=None):  # no model runs here
         seen.update(problems=problems, ks=ks)
         return {"accuracy": 0.0, "pass_at_k": {str(k): 0.0 for k in ks}, "n_problems": len(problems),
+                "temperature": cfg.rollout.temperature if cfg.eval.temperature is None else cfg.eval.temperature,
                 **dict.fromkeys(("format_rate", "code_written_rate", "code_executed_rate", "tool_calls_per_answer",
                                  "tool_error_rate", "mean_completion_tokens", "wall_s"), 0.0)}
 
