@@ -3,7 +3,11 @@ upload of its group, or given back when the group is left out). The real produce
 agent of test_producer_state."""
 import asyncio
 
+import pytest
 from test_producer_state import producer
+
+from toolrl.refserver.client import RefServerError, RefServerUnavailable
+from toolrl.worker.service import RefServerFlow
 
 
 class Flow:
@@ -97,3 +101,38 @@ def test_the_end_of_training_stops_the_groups_in_flight_and_starts_none_until_tr
 
     assert len(asyncio.run(go())) == 4
     assert p.stats.stopped_at_end == 3 and p.stats.aborted_groups == 0
+
+
+class FailingRef:
+    """A reference server's client whose grants fail `fail` times (down, or answering 5xx through
+    its retries), then grant everything; or refuse with `status` every time."""
+
+    def __init__(self, fail, exc):
+        self.fail, self.exc, self.asked, self.n = fail, exc, 0, 0
+
+    async def grant(self, worker_id, n, wait_s):
+        self.asked += 1
+        if self.asked <= self.fail:
+            raise self.exc
+        self.n += 1
+        return True, f"g{self.n}"
+
+    async def give_back(self, grant_id):
+        pass
+
+
+def test_a_reference_server_outage_pauses_the_producer_instead_of_killing_it(monkeypatch):
+    monkeypatch.setattr(RefServerFlow, "ERROR_PAUSE_S", 0.01)
+    for exc in (RefServerUnavailable("POST /grants failed after 5 tries"), RefServerError(500, "boom")):
+        p = producer("rollout.prompts_per_step=2")
+        ref = FailingRef(3, exc)
+        p.flow = RefServerFlow(ref, "w1", p.group_samples)
+        groups = run_plain(p, 3)
+        assert len(groups) == 3 and p.flow.errors == 3 and ref.n == 3  # every group under a grant
+
+
+def test_a_refused_token_still_stops_the_producer():
+    p = producer()
+    p.flow = RefServerFlow(FailingRef(99, RefServerError(401, "bad token")), "w1", p.group_samples)
+    with pytest.raises(RefServerError, match="401"):
+        run_plain(p, 1)

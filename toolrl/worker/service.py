@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from toolrl.config import Config
 from toolrl.net import http_protocol
 from toolrl.protocol import sample_record
-from toolrl.refserver.client import AsyncRefServerClient, RefServerError
+from toolrl.refserver.client import AsyncRefServerClient, RefServerError, RefServerUnavailable
 from toolrl.tasks import get_task
 from toolrl.weightsync.gate import WeightGate
 from toolrl.weightsync.receiver import WeightAssembler, remove_stale_weight_dirs
@@ -134,13 +135,30 @@ class GenWorker:
 
 
 class RefServerFlow:
-    """The producer's flow control, granted by the reference server for this worker."""
+    """The producer's flow control, granted by the reference server for this worker. A server that
+    is down or failing (through the client's retries) grants nothing for now: the worker waits and
+    asks again, keeping its groups in flight, instead of dying with them. A refused token is fatal."""
+
+    ERROR_PAUSE_S = 2.0  # between asks while the server fails (its own retries come first)
 
     def __init__(self, ref, worker_id: str, n: int):
         self.ref, self.worker_id, self.n = ref, worker_id, n
+        self.errors = 0  # asks that failed for the server's sake
+        self._last_warned = -math.inf
 
     async def grant(self, wait_s: float) -> tuple[bool, str | None]:
-        return await self.ref.grant(self.worker_id, self.n, wait_s)
+        try:
+            return await self.ref.grant(self.worker_id, self.n, wait_s)
+        except (RefServerUnavailable, RefServerError) as exc:
+            if isinstance(exc, RefServerError) and exc.status < 500:
+                raise  # a wrong token or a request the server will never take: stop, and say why
+            self.errors += 1
+            if time.monotonic() - self._last_warned > 30.0:
+                self._last_warned = time.monotonic()
+                log.warning("flow control: the reference server did not answer a grant (%d so far); "
+                            "waiting and asking again: %s", self.errors, exc)
+            await asyncio.sleep(self.ERROR_PAUSE_S)
+            return False, None
 
     async def give_back(self, grant_id: str) -> None:
         await self.ref.give_back(grant_id)
