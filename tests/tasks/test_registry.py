@@ -79,6 +79,13 @@ def test_a_file_family_streams_its_problems_reshuffled_per_worker():
         problem_stream(d.model_copy(update={"question_field": "nope"}), "w0")
 
 
+def test_an_empty_training_file_is_a_data_error_when_the_stream_is_made(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="no problems"):  # not an endless loop at the first draw
+        problem_stream(DataConfig(source="jsonl", path=str(empty)), "w0")
+
+
 class Parity(Task):
     """A toy family: is a number even? Generated, graded by the boxed answer, with a plain teacher."""
 

@@ -75,7 +75,15 @@ class Task:
 
 
 def reshuffled(problems: list[Problem], rng: random.Random) -> Iterator[Problem]:
-    """The problems over and over, in a new order each pass."""
+    """The problems over and over, in a new order each pass. An empty set is a DataError here, when
+    the stream is made: drawing from it would spin forever inside the worker's event loop."""
+    problems = list(problems)
+    if not problems:
+        raise DataError("the training data has no problems to draw from (an empty file or split?)")
+    return _passes(problems, rng)
+
+
+def _passes(problems: list[Problem], rng: random.Random) -> Iterator[Problem]:
     while True:
         order = list(problems)
         rng.shuffle(order)
