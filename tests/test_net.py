@@ -124,3 +124,54 @@ def test_bodies_over_the_cap_are_refused_declared_or_chunked(monkeypatch):
         assert httpx.post(f"{url}/stream", content=b"x" * 5000).json() == {"n": 5000}  # exempt
     finally:
         server.should_exit = True
+
+
+def test_a_body_is_read_only_from_a_caller_with_the_token_and_only_within_its_deadline():
+    import httpx
+    from fastapi import Depends
+    from pydantic import BaseModel
+
+    class Body(BaseModel):
+        data: list[int]
+
+    app = FastAPI()
+    auth = Depends(net.bearer_auth("s3cret"))
+    got = []
+
+    @app.post("/json", dependencies=[auth])
+    async def json_route(b: Body):
+        got.append(len(b.data))
+        return {"n": len(b.data)}
+
+    @app.post("/stream_more", dependencies=[auth])  # shares a prefix with the exempt path, not the path
+    async def prefixed(b: Body):
+        return {"n": len(b.data)}
+    app.get("/health")(lambda: {"ok": True})
+    net.cap_request_bodies(app, 1000, exempt=("/stream",), token="s3cret", body_timeout_s=0.5)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    url, ok = f"http://127.0.0.1:{port}", {"Authorization": "Bearer s3cret"}
+    try:
+        assert httpx.post(f"{url}/json", json={"data": [1, 2]}, headers=ok).json() == {"n": 2}
+        assert httpx.get(f"{url}/health").json() == {"ok": True}  # no body: no token needed here
+        # without the token, a declared body is refused before a byte of it is sent or read
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /json HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 999\r\n\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 401")
+        r = httpx.post(f"{url}/json", content=b"{not json", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and got == [2]  # not 422: never parsed
+        assert httpx.post(f"{url}/stream_more", json={"data": list(range(1000))}, headers=ok).status_code == 413
+        # a body that stops arriving is cut off at its deadline
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /json HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{\"data\": [1,")
+        t0 = time.time()
+        answer = read_response(s)
+        assert answer.startswith(b"HTTP/1.1 408") and time.time() - t0 < 3, answer
+        assert got == [2]
+    finally:
+        server.should_exit = True

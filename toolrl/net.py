@@ -113,49 +113,84 @@ def install_error_handlers(app: FastAPI, log: logging.Logger) -> None:
 
 
 class BodyCap:
-    """ASGI middleware: a request body over `max_bytes` is refused with 413, whether it says so up
-    front (Content-Length) or only as it arrives (chunked: counted, never buffered past the cap; the
-    413 goes out at once and the route sees the client gone). FastAPI reads a JSON route's whole body
-    into memory before validating it, so without this one request could hold any amount. Routes in
-    `exempt` (path prefixes) stream and cap their own bodies (uploads, weight buckets)."""
+    """ASGI middleware that bounds every body a JSON route reads, before the route sees a byte.
+    FastAPI reads and parses a JSON route's whole body before its auth dependency runs, so:
+    - with a `token`, a request that carries a body without `Authorization: Bearer <token>` gets 401
+      at once, unread (nobody without the token makes the server buffer or parse anything);
+    - a body over `max_bytes` gets 413, whether it says so up front (Content-Length) or only as it
+      arrives (chunked: counted, never buffered past the cap);
+    - a body still arriving `body_timeout_s` after the request began gets 408 (a stalled sender
+      would otherwise hold its connection and buffer for good; uvicorn has no body deadline).
+    The refusal goes out at once and the route sees the client gone. Routes in `exempt` (exact
+    paths) stream, authenticate and bound their own bodies (uploads, weight buckets)."""
 
-    def __init__(self, app, max_bytes: int, exempt: tuple[str, ...] = ()):
-        self.app, self.max_bytes, self.exempt = app, max_bytes, exempt
+    def __init__(self, app, max_bytes: int, exempt: tuple[str, ...] = (), token: str | None = None,
+                 body_timeout_s: float = 60.0):
+        self.app, self.max_bytes, self.exempt = app, max_bytes, frozenset(exempt)
+        self.expected = f"Bearer {token}".encode() if token else None
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or (self.exempt and scope["path"].startswith(self.exempt)):
+        if scope["type"] != "http" or scope["path"] in self.exempt:
             return await self.app(scope, receive, send)
-        for key, value in scope["headers"]:
-            if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                return await self._refuse(scope, receive, send, f"body of {int(value)} bytes")
-        seen, refused = 0, False
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        has_body = b"transfer-encoding" in headers or (length is not None and length not in (b"", b"0"))
+        if has_body and self.expected is not None and not _bearer_matches(headers.get(b"authorization", b""),
+                                                                          self.expected):
+            return await _refuse(scope, receive, send, 401, "missing or wrong bearer token",
+                                 {"WWW-Authenticate": "Bearer"})
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_big(scope, receive, send, f"body of {int(length)} bytes")
+        seen, refused, done = 0, False, not has_body
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
 
         async def capped():
-            nonlocal seen, refused
+            nonlocal seen, refused, done
             if refused:
                 return {"type": "http.disconnect"}
-            message = await receive()
+            if done:  # the body is in: later receives wait for a disconnect, untimed
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                refused = True
+                await _refuse(scope, receive, send, 408,
+                              f"the body did not arrive within {self.body_timeout_s:g} s")
+                return {"type": "http.disconnect"}
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                done = not message.get("more_body", False)
                 if seen > self.max_bytes:
                     refused = True
-                    await self._refuse(scope, receive, send, "body")
+                    await self._too_big(scope, receive, send, "body")
                     return {"type": "http.disconnect"}
             return message
 
         async def send_unless_refused(message):
-            if not refused:  # the 413 is the answer; the route's own (to a gone client) is dropped
+            if not refused:  # the refusal is the answer; the route's own (to a gone client) is dropped
                 await send(message)
         await self.app(scope, capped, send_unless_refused)
 
-    async def _refuse(self, scope, receive, send, what: str) -> None:
-        await JSONResponse(status_code=413, content={"detail": f"{what} is over the limit of {self.max_bytes} bytes"},
-                           headers={"Connection": "close"})(scope, receive, send)
+    async def _too_big(self, scope, receive, send, what: str) -> None:
+        await _refuse(scope, receive, send, 413, f"{what} is over the limit of {self.max_bytes} bytes")
 
 
-def cap_request_bodies(app: FastAPI, max_bytes: int, exempt: tuple[str, ...] = ()) -> None:
-    """Every route's body at most `max_bytes` (413 otherwise), but for the `exempt` path prefixes."""
-    app.add_middleware(BodyCap, max_bytes=max_bytes, exempt=exempt)
+def _bearer_matches(header: bytes, expected: bytes) -> bool:
+    scheme, _, credentials = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(b"Bearer " + credentials.strip(), expected)
+
+
+async def _refuse(scope, receive, send, status: int, detail: str, headers: dict | None = None) -> None:
+    await JSONResponse(status_code=status, content={"detail": detail},
+                       headers={"Connection": "close", **(headers or {})})(scope, receive, send)
+
+
+def cap_request_bodies(app: FastAPI, max_bytes: int, exempt: tuple[str, ...] = (), token: str | None = None,
+                       body_timeout_s: float = 60.0) -> None:
+    """Every route's body from a caller with `token` only, at most `max_bytes` (413 otherwise) and
+    whole within `body_timeout_s` (408), but for the `exempt` paths (BodyCap)."""
+    app.add_middleware(BodyCap, max_bytes=max_bytes, exempt=exempt, token=token, body_timeout_s=body_timeout_s)
 
 
 def setup_logging(name: str, level: str = "INFO") -> logging.Logger:

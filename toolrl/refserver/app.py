@@ -175,7 +175,8 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     install_error_handlers(app, log)
     # JSON routes: the largest legitimate body is a resume set of every worker's state. /upload
     # streams and caps its own (max_upload_bytes, under a deadline).
-    cap_request_bodies(app, registry.max_workers * MAX_STATE_BYTES + (1 << 20), exempt=("/upload",))
+    cap_request_bodies(app, registry.max_workers * MAX_STATE_BYTES + (1 << 20), exempt=("/upload",),
+                       token=rs.token, body_timeout_s=rs.body_timeout_s)
     # (a replica's answer, POST /reference/lease/ID, is also capped by its lease's size: replicas.router)
     auth = [Depends(bearer_auth(rs.token))]
     app.include_router(replica_router(leases, cfg), dependencies=auth)

@@ -69,7 +69,8 @@ def build_app(worker) -> FastAPI:
     app = FastAPI(title="toolrl gen worker")
     auth = Depends(bearer_auth(worker.cfg.rollout.token))
     install_error_handlers(app, log)
-    cap_request_bodies(app, MAX_JSON_BYTES, exempt=("/update_weights",))  # buckets stream under their own cap
+    # buckets stream under their own cap (exact paths: /update_weights_broadcast is a JSON route)
+    cap_request_bodies(app, MAX_JSON_BYTES, exempt=("/update_weights",), token=worker.cfg.rollout.token)
 
     @app.get("/health")
     async def health():
