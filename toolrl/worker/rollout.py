@@ -99,11 +99,13 @@ def tool_output_text(call: ToolCall) -> str:
 
 
 def tool_segment_ids(tokenizer, output: str, max_tokens: int, lead: str = "") -> list[int]:
-    """The inserted text, tokenised once; long output is cut at a token budget with a marker."""
-    body_ids = tokenizer.encode(output, add_special_tokens=False)
+    """The inserted text, tokenised once; long output is cut at a token budget with a marker. A
+    program controls its output, so a special token's text in it (`<|im_end|>`, `<|endoftext|>`) is
+    tokenised as plain text: it must not end the turn or open a chat turn the harness never wrote."""
+    body_ids = tokenizer.encode(output, add_special_tokens=False, split_special_tokens=True)
     if len(body_ids) > max_tokens:
         output = tokenizer.decode(body_ids[:max_tokens]) + TRUNCATION_MARK
-    return tokenizer.encode(lead + format_tool_result(output), add_special_tokens=False)
+    return tokenizer.encode(lead + format_tool_result(output), add_special_tokens=False, split_special_tokens=True)
 
 
 def pending_program(prefill: str, stop_marker: str) -> str | None:
