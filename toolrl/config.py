@@ -263,7 +263,7 @@ class GRPOConfig(Section):
     scale_rewards: bool = True  # False: mean-only advantages, as in Dr. GRPO
     # The group std of scaled advantages: population (divide by n) or sample (n - 1, as TRL's nanstd)
     std: Literal["population", "sample"] = "population"
-    drop_zero_std_groups: bool = False
+    drop_zero_std_groups: bool = False  # leave out groups whose policy samples all score alike (and their traces)
     entropy_coef: float = Field(0.0, ge=0)  # bonus: the loss subtracts entropy_coef * entropy
     # Truncated importance sampling: each token's policy loss weighed by min(π_proximal/π_behaviour,
     # tis_cap), π_proximal being π_old when the learner passes it, else the learner's detached logprobs.

@@ -39,7 +39,8 @@ class FakeAgent:
     def score(self, problem, rolls, gid, version, tests):
         self.seen.append(problem.id)
         right = round(self.acc * len(rolls))
-        return [SimpleNamespace(rewards={"correct": float(i < right)}, reward=float(i < right), version_runs=[])
+        return [SimpleNamespace(rewards={"correct": float(i < right)}, reward=float(i < right), version_runs=[],
+                                source="policy")
                 for i in range(len(rolls))]
 
 

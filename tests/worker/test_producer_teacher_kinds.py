@@ -87,3 +87,23 @@ def test_teacher_kinds_decides_which_groups_are_taught():
     # the demo as it was: the taught kinds only, every group taught
     got, p = groups(n=6)
     assert {q.meta["kind"] for q, _ in got} == set(TAUGHT) and p.stats.teacher_traces == 2 * 6
+
+
+class AllAlike(FakeAgent):
+    def score(self, problem, rolls, gid, version, tests):
+        self.seen.append(problem)
+        return [SimpleNamespace(rewards={"correct": 0.0}, reward=0.0, version_runs=[], source="policy",
+                                group_id=gid) for _ in rolls]
+
+
+def test_dropping_zero_std_groups_judges_the_policy_samples_not_the_teacher_traces():
+    got, p = groups("grpo.drop_zero_std_groups=true", n=4)  # policy rewards 0, 1, 0: signal, kept
+    assert len(got) == 4 and p.stats.dropped_groups == 0
+    assert all([s.source for s in g].count("teacher") == 2 for _, g in got)
+    cfg = load_config("configs/cpu_demo.yaml", ["teacher.traces_per_group=2", "rollout.group_size=3",
+                                                "grpo.drop_zero_std_groups=true"])
+    p = Producer(cfg, AllAlike())  # every policy sample 0; the traces' 1.0 must not count as signal
+
+    async def go():
+        return [g async for g in p.produce(n_groups=4)]
+    assert asyncio.run(go()) == [] and p.stats.dropped_groups == 4 == p.stats.zero_std_groups

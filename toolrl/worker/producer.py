@@ -280,7 +280,10 @@ class Producer:
             return None
         self._failures = 0
         group = task.result()
-        if group is not None and self.cfg.grpo.drop_zero_std_groups and zero_variance([s.reward for s in group]):
+        # dynamic sampling judges the policy's samples: teacher traces (reward 1 by construction) would
+        # give every group variance; a group without policy signal goes with its traces
+        if group is not None and self.cfg.grpo.drop_zero_std_groups and zero_variance(
+                [s.reward for s in group if s.source == "policy"]):
             self.stats.dropped_groups += 1
             return None
         return group
