@@ -283,3 +283,20 @@ def test_every_bucket_of_an_update_comes_from_the_sender_of_its_first(tmp_path):
 
     new = asyncio.run(run())
     assert new.next_index == new.count and not new.aborted
+
+
+@pytest.mark.parametrize("offset", ["Infinity", "1e400"])
+def test_a_bucket_with_an_infinite_offset_is_corrupt_not_a_crash(offset):
+    from toolrl.protocol import WIRE_VERSION
+    from toolrl.weightsync.buckets import SCHEMA_WEIGHTS, WeightBucketReader
+    from toolrl.weightsync.delta import DeltaMismatch, block_plan
+
+    meta = json.dumps({"version": 1, "index": 0, "count": 1, "names": ["w"]})
+    head = ('{"__metadata__":{"schema":"%s","version":"%d","meta":%s,"xxh3_64":"0"},'
+            '"w":{"dtype":"F32","shape":[1],"data_offsets":[0,%s]}}' % (SCHEMA_WEIGHTS, WIRE_VERSION,
+                                                                      json.dumps(meta), offset)).encode()
+    head += b" " * (-len(head) % 8)
+    with pytest.raises(CorruptPayload, match="data_offsets"):  # a 400 at the worker, not a 500
+        WeightBucketReader(lambda _: None).feed(struct.pack("<Q", len(head)) + head)
+    with pytest.raises(DeltaMismatch, match="data_offsets"):
+        block_plan({"w": {"dtype": "F32", "data_offsets": [0, float("inf")]}})

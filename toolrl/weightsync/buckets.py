@@ -110,7 +110,7 @@ def _target(b: WeightBucket) -> Target:
         raise CorruptPayload("a delta bucket's full header names another bucket than the delta's own meta")
     try:
         data_len = max((int(v["data_offsets"][1]) for v in table.values()), default=0)
-    except (TypeError, KeyError, IndexError, ValueError):
+    except (TypeError, KeyError, IndexError, ValueError, OverflowError):  # int(1e400): OverflowError
         raise CorruptPayload("tensor table entries need data_offsets") from None
     if not isinstance(mh.get("xxh3_64"), str):
         raise CorruptPayload("a delta bucket's full header has no checksum")
@@ -172,7 +172,7 @@ class WeightBucketReader:
         tensors = {k: v for k, v in header.items() if k != "__metadata__"}
         try:
             ends = [int(v["data_offsets"][1]) for v in tensors.values()]
-        except (TypeError, KeyError, IndexError, ValueError):
+        except (TypeError, KeyError, IndexError, ValueError, OverflowError):  # int(1e400): OverflowError
             raise CorruptPayload("tensor table entries need data_offsets") from None
         names = meta.get("names")
         carried = ["delta"] if "delta" in meta else names  # a delta bucket carries one tensor, its body

@@ -63,7 +63,7 @@ def block_plan(table: dict) -> tuple[list[Block], int]:
         try:
             a, b = (int(x) for x in entry["data_offsets"])
             size = ELEMENT_SIZE[entry["dtype"]]
-        except (TypeError, KeyError, ValueError):
+        except (TypeError, KeyError, ValueError, OverflowError):  # int(1e400): OverflowError
             raise DeltaMismatch(f"tensor {name!r}: no usable dtype and data_offsets in the bucket's header") from None
         if not 0 <= a <= b or (b - a) % size:
             raise DeltaMismatch(f"tensor {name!r}: data_offsets {a}..{b} do not hold whole {entry['dtype']} elements")
