@@ -107,6 +107,30 @@ def test_nonfinite_loss_and_gradients_never_reach_the_weights():
     assert m["step_applied"] == 1.0
 
 
+def test_a_nonfinite_last_micro_batch_is_skipped_and_the_rest_of_the_step_applies():
+    """ZeRO-2 reduces gradients only in the accumulation boundary's backward: when the micro-batch
+    skipped is the last, the step must still apply the others', exactly as if the bad group had
+    carried no signal (counted in the normalisers, never run)."""
+    from toolrl.learner.batching import micro_batches
+
+    def group(gid, n, seed, logprob=-8.0, advantage=1.0):
+        rng = random.Random(seed)
+        prompt = [rng.randint(0, 2000) for _ in range(6)]
+        return [Sample(prompt_ids=prompt, completion_ids=[rng.randint(0, 2000) for _ in range(n)], loss_mask=[1] * n,
+                       logprobs=[logprob] * n, rewards={"correct": float(i)}, reward=float(i),
+                       advantage=advantage * (1 if i else -1), group_id=gid) for i in range(2)]
+    good = group("a", 8, 1)
+    bad = group("b", 20, 2, logprob=-1e30)  # exp(logp + 1e30) overflows: this micro-batch's loss is inf
+    silent = group("b", 20, 2, advantage=0.0)
+    sets = ("learner.micro_batch_tokens=64", "learner.zero_stage=2", "grpo.entropy_coef=0")
+    assert [[s.group_id for s in mb] for mb in micro_batches(good + bad, 64, True)] == [["a", "a"], ["b", "b"]]
+    x, y = make_trainer(*sets), make_trainer(*sets)
+    mx, my = x.train_step(good + bad), y.train_step(good + silent)
+    assert (mx["skipped_micro_batches"], mx["step_applied"], my["step_applied"]) == (1, 1.0, 1.0)
+    for (n1, p1), (n2, p2) in zip(x.export_state(), y.export_state()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
 def test_resume_reproduces_the_next_step(tmp_path):
     a = make_trainer()
     a.train_step(batch(5))

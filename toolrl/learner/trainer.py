@@ -214,7 +214,7 @@ class Trainer:
         # number of them (a rank with fewer micro-batches adds zero-weighted passes of `filler`)
         # and drop a micro-step together when any rank's loss is not finite.
         n = int(self._all_reduce(len(mbs), "max"))
-        skipped = 0
+        skipped, boundary_ran = 0, False
         for k in range(n):
             pad = k >= len(mbs)
             mb = [filler] if pad else mbs[k]
@@ -223,6 +223,7 @@ class Trainer:
             if not self._all_reduce(float(torch.isfinite(loss)), "min"):
                 skipped += 1
                 continue
+            boundary_ran = k == n - 1
             self.engine.backward(loss * 0.0 if pad else loss * world, scale_wrt_gas=False)
             if pad:
                 continue
@@ -237,6 +238,12 @@ class Trainer:
             self.engine.optimizer.zero_grad(set_to_none=True)
             applied = False
         else:
+            if not boundary_ran and self.cfg.learner.zero_stage < 3:
+                # ZeRO-0/1/2 reduce the accumulated gradients (across ranks, into the optimizer's
+                # partitions) only in the boundary's backward: when the last micro-batch was the one
+                # skipped, a zero backward at the boundary does it (ZeRO-3 reduces in every backward)
+                self.engine.backward(sum((p * 0.0).sum() for p in self.module.parameters() if p.requires_grad),
+                                     scale_wrt_gas=False)
             self.engine.step()
             applied = self.engine.was_step_applied()
         if not applied:
