@@ -152,10 +152,10 @@ def test_without_a_memory_cgroup_sessions_are_bounded_by_admission(tmp_path):
         assert c.execute(HOLD.format(mb=80), session_id="s2").stdout == "held\n"  # 3 x 80 MB do not
         for s in ("s1", "s2"):
             r = c.execute("print(len(x) >> 20)", session_id=s)
-            assert (r.stdout, r.session_reset) == ("80\n", False), r
+            assert (r.stdout, r.session_reset, r.executor_fault) == ("80\n", False, False), r
         r = c.execute("print(len(x) >> 20)", session_id="s0")  # the least recently used idle one
         assert r.session_reset and "evicted to bound the executor's memory" in r.session_note, r
-        assert "NameError" in r.stderr
+        assert "NameError" in r.stderr and r.executor_fault
         held = private_mb(h["uids"]["sessions"], ns)
         assert 160 < held <= 200, held  # s1 and s2 (80 MB each) and a fresh s0, measured by the kernel
 
@@ -175,7 +175,7 @@ def test_without_a_memory_cgroup_sessions_are_bounded_by_admission(tmp_path):
             assert (r.status, r.stdout, r.session_reset) == ("ok", "80\n", False), r
         assert c.execute("print('fresh')", session_id="s3").stdout == "fresh\n"  # room again
         r = c.execute("print(len(x) >> 20)", session_id="s2")  # still told why, after the refusal
-        assert r.session_reset and "evicted to bound the executor's memory" in r.session_note, r
+        assert r.session_reset and "evicted to bound the executor's memory" in r.session_note and r.executor_fault
         memory = lambda: c._http.get("/health").json()["memory"]  # noqa: E731 (reported once a second)
         assert not wait_for(lambda: memory()["evicted"] < 3, 3)
         m = memory()

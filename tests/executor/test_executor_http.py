@@ -172,7 +172,7 @@ def test_forkserver_crash_is_survived(ex, http):
             time.sleep(0.1)
         assert c.execute("print(2)").stdout == "2\n"
         r = c.execute("print(v)", session_id="before-crash")
-        assert r.session_reset and "restarted" in r.session_note and "NameError" in r.stderr
+        assert r.session_reset and "restarted" in r.session_note and "NameError" in r.stderr and r.executor_fault
         c.delete_session("before-crash")
 
 

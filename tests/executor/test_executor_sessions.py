@@ -212,6 +212,7 @@ def test_timeout_loses_the_session_and_says_so(c):
     r = c.execute("print(x)", session_id=s)
     assert r.session_reset is True and "time limit" in r.session_note
     assert r.status == "error" and "NameError" in r.stderr
+    assert not r.executor_fault  # its own code lost it: the model's outcome
     r = c.execute("print('fresh')", session_id=s)
     assert (r.status, r.session_reset, r.session_note) == ("ok", False, None)
 
@@ -222,7 +223,7 @@ def test_os_exit_loses_the_session(c):
     r = c.execute("import os\nprint('bye', flush=True)\nos._exit(0)", session_id=s)
     assert (r.status, r.stdout) == ("ok", "bye\n") and "session state lost" in r.session_note
     r = c.execute("print(y)", session_id=s)
-    assert r.session_reset and "NameError" in r.stderr
+    assert r.session_reset and "NameError" in r.stderr and not r.executor_fault
 
 
 def test_sys_exit_keeps_the_session(c):
@@ -239,6 +240,7 @@ def test_idle_ttl_expiry_is_reported(c):
     time.sleep(TTL_S + 2.0)
     r = c.execute("print(w)", session_id=s)
     assert r.session_reset is True and "expired" in r.session_note and "NameError" in r.stderr
+    assert r.executor_fault  # the service let it go: not the code's outcome
 
 
 def test_cap_evicts_the_least_recently_used_idle_session(c):
@@ -249,7 +251,7 @@ def test_cap_evicts_the_least_recently_used_idle_session(c):
     c.execute("v = 99", session_id=names[CAP])  # over the cap: cap1 goes
     assert c.execute("print(v)", session_id=names[0]).stdout == "0\n"
     r = c.execute("print(v)", session_id=names[1])
-    assert r.session_reset and "evicted" in r.session_note
+    assert r.session_reset and "evicted" in r.session_note and r.executor_fault
 
 
 def test_delete(c):

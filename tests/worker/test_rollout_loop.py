@@ -177,6 +177,35 @@ def test_a_dead_executor_ends_the_sample_as_an_infrastructure_failure_not_a_hang
     assert r.stop_reason == "tool_unavailable" and r.completion_ids == []
 
 
+def test_a_session_the_executor_lost_is_an_infrastructure_failure_one_its_code_lost_is_not():
+    """The executor's own result says whose doing a lost session was (executor_fault): evicted or
+    expired is not the model's, and its sample is not scored; its own time limit is."""
+    from toolrl.executor.api import ExecResult
+
+    class Client:
+        def __init__(self, fault):
+            self.fault, self.calls = fault, 0
+
+        async def execute(self, code, timeout_s=None, session_id=None):
+            self.calls += 1
+            if self.calls == 1:
+                return ExecResult(status="ok", exit_code=0, stdout="", stderr="", truncated=False, wall_ms=1, cpu_ms=1)
+            why = "by the executor: expired after 300 s idle" if self.fault else "the previous block hit its time limit"
+            return ExecResult(status="error", exit_code=1, stdout="", stderr="NameError: name 'x' is not defined\n",
+                              truncated=False, wall_ms=1, cpu_ms=1, session_reset=True, executor_fault=self.fault,
+                              session_note=f"session was reset: {why}")
+
+    for fault in (True, False):
+        script = Script([(prog("x = 6 * 7"), STOP_MARKER), (prog("print(x)"), STOP_MARKER), (boxed(42), None)])
+        r = run(script, ExecutorTool(Client(fault)))
+        if fault:
+            assert r.stop_reason == "tool_unavailable" and r.tool_calls[1].status == "unavailable"
+            assert "expired" in r.tool_calls[1].output and len(script.segments) == 1  # never resumed
+        else:
+            assert r.stop_reason == "eos" and r.tool_calls[1].status == "error"
+            assert "interpreter was restarted" in r.tool_calls[1].output
+
+
 def test_a_group_the_executor_could_not_serve_is_left_out_and_counted(tool):
     from toolrl.executor.client import AsyncExecutorClient
 

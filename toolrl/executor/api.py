@@ -42,6 +42,10 @@ class ExecResult(BaseModel):
     cpu_ms: float
     session_reset: bool = False  # the session's earlier state was NOT available to this execution
     session_note: str | None = None  # why it was reset, or that this execution lost the session
+    # The executor, not the code, cost this execution its session's earlier state or its own run
+    # (ipc.EXECUTOR_CAUSED): what it printed is not what the code would have done. A caller scoring the
+    # code treats it as an infrastructure failure.
+    executor_fault: bool = False
 
 
 class BatchRequest(BaseModel):

@@ -15,6 +15,11 @@ if TYPE_CHECKING:  # a type only: the fork server and the runners need not load 
     import asyncio
 
 _LEN = struct.Struct(">I")
+# A session's state lost, or a block killed, for the service's reasons and not its code's (evicted to
+# make room or to bound memory held by others, expired, a fork server restart, a session that could
+# not start): the reason passed between the processes starts with this, and the front end's result
+# says `executor_fault` (api.ExecResult).
+EXECUTOR_CAUSED = "by the executor: "
 MAX_FRAME = 64 << 20  # front end <-> fork server; a batch never gets near this (requests are capped)
 
 
@@ -142,3 +147,7 @@ class OutBuffer:
                 self.chunks.pop(0)
             else:
                 self.chunks[0] = chunk[n:]
+
+
+def executor_caused(reason: str) -> str:
+    return EXECUTOR_CAUSED + reason

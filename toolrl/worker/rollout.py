@@ -218,7 +218,9 @@ class ExecutorTool:
     """The executor service as the rollout's tool. What the executor could not run (down,
     unreachable or busy through the client's bounded retries, or refusing the request) is status
     `unavailable`: the rollout ends there and its group is left out of training, since the model
-    did nothing wrong. Timeouts, errors and limits of the program itself are the model's."""
+    did nothing wrong. So is a run the executor itself spoiled (`executor_fault`: the session's
+    earlier state evicted, expired or lost to a restart, a runner that could not start). Timeouts,
+    errors and limits of the program itself are the model's, and so is a session its own code lost."""
 
     def __init__(self, client, timeout_s: float | None = None):
         self.client = client
@@ -238,6 +240,10 @@ class ExecutorTool:
             self.errors += 1
             return ToolCall(code=code, status="unavailable",
                             output=f"Error: the executor refused the request ({exc})\n")
+        if res.executor_fault:
+            self.errors += 1
+            return ToolCall(code=code, status="unavailable", output="Error: the executor lost this run or its "
+                            f"session's state ({res.session_note or res.stderr.strip()})\n")
         output = res.stdout
         if res.status != "ok":
             self.errors += 1

@@ -203,7 +203,7 @@ class ForkServer(SessionRunners):
         if op == "run":
             for job in msg["jobs"]:
                 if len(self.queue) >= self.queue_bound:
-                    self.answer(job["id"], synthetic("killed", "[executor: fork server queue full]"))
+                    self.answer(job["id"], synthetic("killed", "[executor: fork server queue full]"), fault=True)
                 else:
                     self.queue.append(job)
         elif op == "kill_session":
@@ -215,8 +215,10 @@ class ForkServer(SessionRunners):
         else:
             log.error("unknown message from the front end: %r", op)
 
-    def answer(self, job_id: int, result: dict, reset: str | None = None, lost: str | None = None) -> None:
-        self.outgoing.append({"id": job_id, "result": result, "reset": reset, "lost": lost})
+    def answer(self, job_id: int, result: dict, reset: str | None = None, lost: str | None = None,
+               fault: bool = False) -> None:
+        """fault: the job did not run for the service's reasons, not its code's (api.ExecResult.executor_fault)."""
+        self.outgoing.append({"id": job_id, "result": result, "reset": reset, "lost": lost, "fault": fault})
         if self.memory is not None:
             self.memory.answered(job_id)
 
@@ -254,7 +256,7 @@ class ForkServer(SessionRunners):
                 mine = [s for s in self.slots if s.kind == kind]
                 if mine and all(s.failures >= 3 for s in mine):  # no spare will come: fail fast
                     self.answer(job["id"], synthetic("killed", f"[executor: cannot start runners: "
-                                                               f"{mine[0].last_error}]"))
+                                                               f"{mine[0].last_error}]"), fault=True)
                 else:
                     blocked.append(job)  # jobs of the other kind may still go ahead
                 continue

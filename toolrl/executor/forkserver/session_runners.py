@@ -11,6 +11,7 @@ import logging
 from toolrl.executor.forkserver.capture import Capture
 from toolrl.executor.forkserver.records import Proc, Session, describe_exit, synthetic
 from toolrl.executor.forkserver.sweeper import kill_uid_others
+from toolrl.executor.ipc import executor_caused
 from toolrl.executor.runner.child import JOB_FD
 from toolrl.executor.syscalls import kill, proc_cpu_s, waiting_on_read
 
@@ -46,7 +47,7 @@ class SessionRunners:
             if self.memory is not None:
                 self.memory.forget(idx)
             self.answer(job["id"], synthetic("killed", f"[executor: could not start the session: {exc}]"),
-                        lost=f"could not start the session: {exc}")
+                        lost=executor_caused(f"could not start the session: {exc}"))
             return True
         s = self.sessions[idx] = Session(idx, lane)
         s.waiting = (job, reset)
@@ -60,7 +61,7 @@ class SessionRunners:
         self.active -= 1  # start_run counts it again
         if p is None:
             self.answer(job["id"], synthetic("killed", "[executor: could not start the session]"),
-                        lost="could not start the session")
+                        lost=executor_caused("could not start the session"))
             s.state = "cleaning"
             self.session_cleaned(s)
             return
@@ -159,6 +160,7 @@ class SessionRunners:
     def evict_for_memory(self, idx: int, note: str) -> None:
         """End an idle session to bound the executor's memory (memory_admission.py); like a process
         that died between blocks, the session's next block gets `session_reset` and this note."""
+        note = executor_caused(note)
         self.kill_session(idx, note)
         self.lost[idx] = note
 

@@ -26,6 +26,7 @@ from toolrl.config import ExecutorConfig
 from toolrl.executor.api import BatchRequest, BatchResponse, ExecRequest, ExecResult, HealthResponse
 from toolrl.executor.frontend.forkserver_link import ForkServerDown, ForkServerLink, QueueFull
 from toolrl.executor.frontend.session_ids import SessionManager, SessionsFull
+from toolrl.executor.ipc import EXECUTOR_CAUSED
 from toolrl.net import bearer_auth, install_error_handlers, read_body_capped
 
 log = logging.getLogger("toolrl.executor")
@@ -131,7 +132,8 @@ def _result(item: dict, reset: str | None) -> ExecResult:
     notes = [f"session was reset: {reset}" if reset else None,
              f"session state lost: {lost}" if lost else None]
     note = "; ".join(n for n in notes if n) or None
-    return ExecResult(**item["result"], session_reset=bool(reset), session_note=note)
+    fault = bool(item.get("fault")) or any(n is not None and n.startswith(EXECUTOR_CAUSED) for n in (reset, lost))
+    return ExecResult(**item["result"], session_reset=bool(reset), session_note=note, executor_fault=fault)
 
 
 def _parse(model, body: bytes):

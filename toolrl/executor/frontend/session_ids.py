@@ -13,6 +13,8 @@ import asyncio
 import collections
 import time
 
+from toolrl.executor.ipc import executor_caused
+
 
 class SessionsFull(RuntimeError):
     """Every session slot is executing right now; none can be evicted."""
@@ -60,7 +62,7 @@ class SessionManager:
         if not idle:
             raise SessionsFull(f"all {self.max_sessions} sessions are executing")
         victim = min(idle, key=lambda s: s.last_used)
-        self._end(victim, f"evicted to make room (executor.max_sessions={self.max_sessions} reached)")
+        self._end(victim, executor_caused(f"evicted to make room (executor.max_sessions={self.max_sessions} reached)"))
 
     def _end(self, s: Session, reason: str | None, tell_forkserver: bool = True) -> None:
         if self.active.get(s.id) is s:
@@ -101,10 +103,10 @@ class SessionManager:
         cutoff = time.monotonic() - self.ttl_s
         old = [s for s in self.active.values() if s.busy == 0 and s.last_used < cutoff]
         for s in old:
-            self._end(s, f"expired after {self.ttl_s:g} s idle (executor.session_ttl_s)")
+            self._end(s, executor_caused(f"expired after {self.ttl_s:g} s idle (executor.session_ttl_s)"))
         return len(old)
 
     def reset_all(self, reason: str) -> None:
         """The fork server was replaced: every session process is gone."""
         for s in list(self.active.values()):
-            self._end(s, reason, tell_forkserver=False)
+            self._end(s, executor_caused(reason), tell_forkserver=False)
