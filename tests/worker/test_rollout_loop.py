@@ -323,6 +323,21 @@ def test_evaluate_decodes_at_the_temperature_asked(tool):
         assert res["temperature"] == reported and res["accuracy"] == 1.0
 
 
+def test_an_evaluation_the_executor_could_not_serve_is_an_error_not_accuracy_zero(tool):
+    from toolrl.executor.client import AsyncExecutorClient
+    from toolrl.worker.agent import EvaluationUnscored
+
+    problems = arithmetic_problems(2, seed=5, level=1)
+
+    async def answer(i, p, request_id, text):
+        return solve(p, text)
+
+    worker = demo_worker(tool, ByProblem(problems, answer))
+    worker.agent.tool = ExecutorTool(AsyncExecutorClient(f"http://127.0.0.1:{free_port()}", timeout_s=2, retries=0))
+    with pytest.raises(EvaluationUnscored, match="2 rollouts ended by infrastructure failures"):
+        run_worker(worker, lambda: worker.agent.evaluate(problems, 1, [1], 2))
+
+
 def test_curriculum_promotes_on_accuracy_and_mix_levels_keeps_reviewing():
     """Arithmetic curriculum: the level rises once the recent groups' accuracy passes the bar; with
     data.mix_levels the problems cycle through every level up to the current one."""

@@ -37,6 +37,11 @@ def agent_seed(name: str, data_seed: int) -> int:
     return zlib.crc32(name.encode()) + 7919 * data_seed
 
 
+class EvaluationUnscored(RuntimeError):
+    """No held-out sample could be scored, every one lost to infrastructure failures (the executor or
+    the engine): an accuracy would be theirs, not the model's."""
+
+
 class Agent:
     def __init__(self, cfg: Config, name: str, engine: VllmEngine | None = None):
         """`name` makes request and session ids unique (the worker id); `engine` defaults to a new
@@ -149,6 +154,10 @@ class Agent:
                     on_problem(problem.id, groups[problem.id])
 
         await asyncio.gather(*[one(p) for p in problems])
+        if problems and not any(groups.values()):
+            raise EvaluationUnscored(f"no held-out sample of {len(problems)} problems could be scored: {aborted} "
+                                     f"rollouts ended by infrastructure failures, the tests of {unscored} problems "
+                                     "could not run (is the executor up?)")
         out = summarize(problems, groups, ks)
         out.update(policy_version=version, policy_version_end=self.gate.version if self.gate is not None else 0,
                    aborted_samples=aborted, unscored_problems=unscored, wall_s=time.time() - t0,

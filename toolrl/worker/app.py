@@ -17,6 +17,7 @@ from toolrl.weightsync.buckets import MAX_WEIGHTS_BYTES
 from toolrl.weightsync.fanout import PLAN_HEADER, PlanError, parse_plan
 from toolrl.weightsync.relay import heartbeats
 from toolrl.weightsync.transport import BucketOrderError, UpdateAborted
+from toolrl.worker.agent import EvaluationUnscored
 from toolrl.net import bearer_auth, cap_request_bodies, install_error_handlers
 
 MAX_JSON_BYTES = 4 << 20  # the JSON routes' bodies (a probe's prompt ids are the largest)
@@ -110,8 +111,11 @@ def build_app(worker) -> FastAPI:
             raise HTTPException(status_code=400, detail=str(exc)) from None
         log.info("evaluating policy version %d on %d problems of %s", worker.version, len(problems), req.task)
         async with worker.evaluating():  # every core the engine is bound to: the caller waits for this
-            res = await worker.agent.evaluate(problems, req.samples, req.ks, req.concurrency,
-                                              temperature=req.temperature)
+            try:
+                res = await worker.agent.evaluate(problems, req.samples, req.ks, req.concurrency,
+                                                  temperature=req.temperature)
+            except EvaluationUnscored as exc:  # never an accuracy of 0 for the infrastructure's failure
+                raise HTTPException(status_code=503, detail=str(exc)) from None
         log.info("evaluation of version %d: accuracy %.3f (%.0fs)", res["policy_version"], res["accuracy"],
                  res["wall_s"])
         return res

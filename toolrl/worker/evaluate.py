@@ -37,7 +37,7 @@ from toolrl.models import resolve_run_model
 from toolrl.tasks import DataError, Problem, load_task, task_seed
 from toolrl.tasks.code.judge import TestSpec, complete_program, run_tests
 from toolrl.tasks.code.loaders import find_task
-from toolrl.worker.agent import Agent
+from toolrl.worker.agent import Agent, EvaluationUnscored
 
 
 async def run_eval(cfg: Config, problems: list[Problem], samples_per_problem: int, ks: list[int],
@@ -165,7 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": model}),
                                  "eval": cfg.eval.model_copy(update={"temperature": temperature})})
 
-    res = evaluate(cfg, problems, args.samples, ks, progress=not args.quiet, samples_out=args.samples_out)
+    try:
+        res = evaluate(cfg, problems, args.samples, ks, progress=not args.quiet, samples_out=args.samples_out)
+    except EvaluationUnscored as exc:
+        print(f"evaluate.py: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     res.update(model=args.model, task=args.task, samples_per_problem=args.samples, prompt=cfg.prompt.system)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
