@@ -134,3 +134,34 @@ def test_the_agent_scores_a_group_with_the_configured_std(std):
     n, mean = len(rewards), sum(rewards) / len(rewards)
     sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1 if std == "sample" else n))
     assert [s.advantage for s in samples] == pytest.approx([(r - mean) / (sd + 1e-4) for r in rewards])
+
+
+def test_a_verifier_that_cannot_start_is_unavailable_not_a_wrong_answer(monkeypatch):
+    from toolrl.worker import rewards
+
+    monkeypatch.setattr(rewards, "STARTUP_TIMEOUT_S", 0.001)  # a loaded machine: the child is not up in time
+    v = rewards.Verifier()
+    try:
+        with pytest.raises(rewards.VerifierUnavailable, match="could not start"):
+            v("1/2", "0.5")
+    finally:
+        v.close()
+
+
+def test_a_verifier_child_killed_under_it_is_replaced_and_the_answer_still_graded():
+    import os
+    import signal
+    import time
+
+    from toolrl.worker.rewards import Verifier
+
+    v = Verifier()
+    try:
+        assert v("1/2", "0.5") is True
+        for p in list(v._pool._processes.values()):
+            os.kill(p.pid, signal.SIGKILL)  # the OOM killer, say
+        time.sleep(0.5)
+        assert v("1/2", "0.5") is True and v.crashes == 1  # not scored 0 for the machine's doing
+        assert v("1/3", "0.5") is False
+    finally:
+        v.close()

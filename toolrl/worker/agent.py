@@ -24,7 +24,7 @@ from toolrl.protocol import INFRA_FAILED, Sample
 from toolrl.tasks import Problem
 from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
 from toolrl.worker.engine import VllmEngine
-from toolrl.worker.rewards import Completion, check_names, score, weights_at
+from toolrl.worker.rewards import Completion, VerifierUnavailable, check_names, score, weights_at
 from toolrl.worker.rollout import (ExecutorTool, FixedVersion, Rollout, Versions, pending_program, request_seed,
                                    run_rollout)
 
@@ -149,15 +149,20 @@ class Agent:
                     unscored += 1
                     log.warning("could not run the tests of %s, left out of the evaluation: %s", problem.id, exc)
                     return
-                groups[problem.id] = await asyncio.to_thread(self.score, problem, kept, gid, v, tests)
+                try:
+                    groups[problem.id] = await asyncio.to_thread(self.score, problem, kept, gid, v, tests)
+                except VerifierUnavailable as exc:
+                    unscored += 1
+                    log.warning("could not grade %s, left out of the evaluation: %s", problem.id, exc)
+                    return
                 if on_problem is not None:
                     on_problem(problem.id, groups[problem.id])
 
         await asyncio.gather(*[one(p) for p in problems])
         if problems and not any(groups.values()):
             raise EvaluationUnscored(f"no held-out sample of {len(problems)} problems could be scored: {aborted} "
-                                     f"rollouts ended by infrastructure failures, the tests of {unscored} problems "
-                                     "could not run (is the executor up?)")
+                                     f"rollouts ended by infrastructure failures, {unscored} problems could not be "
+                                     "tested or graded (is the executor up?)")
         out = summarize(problems, groups, ks)
         out.update(policy_version=version, policy_version_end=self.gate.version if self.gate is not None else 0,
                    aborted_samples=aborted, unscored_problems=unscored, wall_s=time.time() - t0,

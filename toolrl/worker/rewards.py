@@ -17,6 +17,7 @@ import concurrent.futures as cf
 import multiprocessing as mp
 import re
 import threading
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -68,15 +69,23 @@ def _warm() -> None:
     import math_verify  # noqa: F401  (warms the verifier child: its import is slow)
 
 
+class VerifierUnavailable(RuntimeError):
+    """The math-verify child could not start: no answer can be graded, which is the machine's doing,
+    not the model's (its sample is left out and counted, never scored 0)."""
+
+
 class Verifier:
     """math-verify in a spawned child process: its signal-based timeout needs a main thread, and
-    a verification that still hangs gets the child killed and replaced."""
+    a verification that still hangs gets the child killed and replaced. A child that cannot start
+    raises VerifierUnavailable; one that crashes is replaced and the answer tried once more (a crash
+    may be the machine's, say the OOM killer); an answer that crashes a fresh child too, hangs, or
+    that math-verify cannot parse is not correct."""
 
     def __init__(self, timeout_s: float = 5.0):
         self.timeout_s = timeout_s
         self._pool: cf.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
-        self.timeouts = 0
+        self.timeouts = self.crashes = 0
 
     def _get_pool(self) -> cf.ProcessPoolExecutor:
         if self._pool is None:
@@ -89,20 +98,27 @@ class Verifier:
 
     def __call__(self, pred: str, gold: str) -> bool:
         with self._lock:
-            try:
-                fut = self._get_pool().submit(_verify, pred, gold, max(1, int(self.timeout_s)))
-            except Exception:  # the child could not even start: not correct, and try again next time
-                self._kill()
-                return False
-            try:
-                return fut.result(timeout=self.timeout_s + 5)
-            except cf.TimeoutError:
-                self.timeouts += 1
-                self._kill()
-                return False
-            except Exception:  # a crashed child or an unparseable answer is simply not correct
-                self._kill()
-                return False
+            for attempt in range(2):
+                try:
+                    pool = self._get_pool()
+                except Exception as exc:  # noqa: BLE001 - spawn, import or start-up timeout
+                    self._kill()
+                    raise VerifierUnavailable(f"the math-verify child process could not start: {exc!r}") from None
+                try:
+                    return pool.submit(_verify, pred, gold, max(1, int(self.timeout_s))).result(
+                        timeout=self.timeout_s + 5)
+                except cf.TimeoutError:
+                    self.timeouts += 1
+                    self._kill()
+                    return False
+                except BrokenProcessPool:
+                    self.crashes += 1
+                    self._kill()
+                    if attempt:
+                        return False  # a fresh child crashed on it too: the answer's doing
+                except Exception:  # noqa: BLE001 - math-verify could not handle the answer: not correct
+                    return False
+            return False
 
     def _kill(self) -> None:
         pool, self._pool = self._pool, None
