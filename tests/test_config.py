@@ -73,6 +73,8 @@ def test_cross_field_check():
     with pytest.raises(ConfigError, match="downsample_to"):
         load_config(None, ["grpo.downsample_to=1", "rollout.group_size=4"])
     assert load_config(None, ["grpo.downsample_to=4", "rollout.group_size=8"]).grpo.downsample_to == 4
+    with pytest.raises(ConfigError, match=r"rollout.max_total_tokens \(4096\) is above model.max_model_len \(2048\)"):
+        load_config(None, ["rollout.max_total_tokens=4096", "model.max_model_len=2048"])
     with pytest.raises(ConfigError, match="eval.temperature 0 .greedy. gives every sample the same answer"):
         load_config(None, ["eval.temperature=0", "eval.samples=4"])
     assert load_config(None, ["eval.temperature=0"]).eval.temperature == 0

@@ -554,6 +554,10 @@ class Config(Section):
         if self.grpo.downsample_to is not None and self.grpo.downsample_to >= self.rollout.group_size:
             raise ValueError(f"grpo.downsample_to ({self.grpo.downsample_to}) must be below rollout.group_size "
                              f"({self.rollout.group_size}): the learner keeps that many of each group's rollouts")
+        if self.rollout.max_total_tokens > self.model.max_model_len:
+            raise ValueError(f"rollout.max_total_tokens ({self.rollout.max_total_tokens}) is above model.max_model_len "
+                             f"({self.model.max_model_len}): the engine would refuse the longer contexts a rollout "
+                             "is allowed to reach")
         return self
 
 
