@@ -300,3 +300,36 @@ def test_a_bucket_with_an_infinite_offset_is_corrupt_not_a_crash(offset):
         WeightBucketReader(lambda _: None).feed(struct.pack("<Q", len(head)) + head)
     with pytest.raises(DeltaMismatch, match="data_offsets"):
         block_plan({"w": {"dtype": "F32", "data_offsets": [0, float("inf")]}})
+
+
+def test_a_workers_version_never_goes_back_to_a_late_older_update(tmp_path):
+    """A relay cut off from the learner may still send an older update while a newer one loads:
+    its first bucket is refused, before and after waiting for the newer load, and the gate keeps
+    the newer version (it went 4 -> 6 -> 5 before)."""
+    from toolrl.weightsync.gate import WeightGate
+    from toolrl.worker.standin import RecordingEngine
+
+    class SlowEngine(RecordingEngine):
+        async def load_buckets(self, d, uid, count, timeout_s):
+            await asyncio.sleep(0.5)
+            return await super().load_buckets(d, uid, count, timeout_s)
+
+    async def push(gate, bodies):
+        ans = None
+        for b in bodies:
+            ans = await gate.receive_bucket(_chunks(b))
+        return ans
+
+    async def run():
+        gate = WeightGate(SlowEngine(), WeightAssembler(tmp_path / "w", wait_s=10), 5, 5)
+        gate.version = 4
+        newer = asyncio.create_task(push(gate, _bodies(_named(6), version=6)))
+        await asyncio.sleep(0.2)  # version 6 is whole and loading
+        with pytest.raises(BucketOrderError, match="older than version 6"):
+            await push(gate, _bodies(_named(5), version=5))
+        assert (await newer)["loaded"] and gate.version == 6
+        with pytest.raises(BucketOrderError, match="older than the loaded 6"):
+            await push(gate, _bodies(_named(5), version=5))
+        assert gate.version == 6
+
+    asyncio.run(run())

@@ -112,7 +112,7 @@ class WeightGate:
         first bucket starts the load (and, when `plan` names children, the relay to them); the
         answer to the last one waits for the load. For a relayed update that answer is a future
         (the route heartbeats while it waits; toolrl.weightsync.relay.heartbeats)."""
-        bucket, update = await self.assembler.receive(chunks, self.version, lambda u: self._start(u, plan),
+        bucket, update = await self.assembler.receive(chunks, lambda: self.version, lambda u: self._start(u, plan),
                                                       tag=plan.tag if plan else None)
         relay = self.relay if self.relay is not None and self.relay.update is update else None
         if relay is not None:

@@ -178,13 +178,18 @@ class WeightAssembler:
             raise BaseMissing(f"a delta from version {d.base} for bucket {b.index}/{b.count}, but slot {i} holds "
                               f"{held}: send the full update", holds=self.holds())
 
-    async def _admit(self, b: WeightBucket, min_version: int, on_new: Callable[[Update], None],
+    async def _admit(self, b: WeightBucket, loaded: Callable[[], int], on_new: Callable[[Update], None],
                      tag: str | None, data_len: int) -> Update:
-        """Check a bucket's place as soon as its header is in: before its body is received."""
-        if b.version < min_version:
-            raise BucketOrderError(f"version {b.version} is older than the loaded {min_version}")
+        """Check a bucket's place as soon as its header is in: before its body is received. Versions
+        never go back: not below the one loaded (`loaded()`, read again after any wait), nor below
+        an update still being received or loaded (a relay cut off from the learner may still send
+        an older one)."""
+        if b.version < loaded():
+            raise BucketOrderError(f"version {b.version} is older than the loaded {loaded()}")
         u = self.update
         if b.index == 0:
+            if u is not None and not u.aborted and (u.task is None or not u.task.done()) and b.version < u.version:
+                raise BucketOrderError(f"version {b.version} is older than version {u.version}, under way")
             if b.delta is not None:  # before anything: a refused delta leaves the worker as it was
                 self._check_base(b, data_len, every=True)
             if u is not None and u.next_index < u.count:
@@ -194,6 +199,8 @@ class WeightAssembler:
                 done, _ = await asyncio.wait({u.task}, timeout=self.wait_s)
                 if not done:
                     raise BucketOrderError(f"version {u.version} is still loading after {self.wait_s:.0f}s")
+                if b.version < loaded():  # it loaded a newer version meanwhile
+                    raise BucketOrderError(f"version {b.version} is older than the loaded {loaded()}")
             self.update = u = Update(next(self._ids), b.version, b.count, self.out_dir, tag=tag)
             on_new(u)
             return u
@@ -212,7 +219,7 @@ class WeightAssembler:
                 raise
         return u
 
-    async def receive(self, chunks: AsyncIterator[bytes], min_version: int = 0,
+    async def receive(self, chunks: AsyncIterator[bytes], min_version: int | Callable[[], int] = 0,
                       on_new: Callable[[Update], None] = lambda u: None,
                       tag: str | None = None) -> tuple[WeightBucket, Update]:
         """Stream one bucket from `chunks` into its slot (a delta bucket: applied onto it). Raises
@@ -248,7 +255,8 @@ class WeightAssembler:
                     if reader.bucket is None:
                         continue
                     b, target = reader.bucket, reader.target
-                    update = await self._admit(b, min_version, on_new, tag, target.data_len if target else 0)
+                    loaded = min_version if callable(min_version) else (lambda: min_version)
+                    update = await self._admit(b, loaded, on_new, tag, target.data_len if target else 0)
                     slot = self._slots.setdefault(b.index, _Slot(self.out_dir / bucket_file(b.index)))
                     base, slot.holds = slot.holds, None  # from here on it holds no whole bucket
                     if target is None:
