@@ -187,7 +187,7 @@ def test_a_delta_for_a_base_the_worker_does_not_hold_is_refused_before_anything_
     last = LastSent()
     Outgoing(_named(), 1, 256 << 10, last).delta(0)
     last.encoder.join(10)
-    out = Outgoing(_named(changed={"embed"}), 2, 256 << 10, last)
+    out = Outgoing(_named(changed={"embed"}), 6, 256 << 10, last)  # newer than the half update below
     assert out.base == 1
     fresh = WeightAssembler(tmp_path / "fresh")
     started = []

@@ -188,7 +188,9 @@ class WeightAssembler:
             raise BucketOrderError(f"version {b.version} is older than the loaded {loaded()}")
         u = self.update
         if b.index == 0:
-            if u is not None and not u.aborted and (u.task is None or not u.task.done()) and b.version < u.version:
+            under_way = u is not None and not u.aborted and (
+                u.next_index < u.count or (u.task is not None and not u.task.done()))
+            if under_way and b.version < u.version:
                 raise BucketOrderError(f"version {b.version} is older than version {u.version}, under way")
             if b.delta is not None:  # before anything: a refused delta leaves the worker as it was
                 self._check_base(b, data_len, every=True)
