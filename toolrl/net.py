@@ -112,6 +112,9 @@ def install_error_handlers(app: FastAPI, log: logging.Logger) -> None:
         return JSONResponse(status_code=500, content={"detail": f"internal error: {type(exc).__name__}: {exc}"})
 
 
+BODY_TIMEOUT_S = 60.0  # a request body still arriving this long after the request began: 408
+
+
 class BodyCap:
     """ASGI middleware that bounds every body a JSON route reads, before the route sees a byte.
     FastAPI reads and parses a JSON route's whole body before its auth dependency runs, so:
@@ -125,7 +128,7 @@ class BodyCap:
     paths) stream, authenticate and bound their own bodies (uploads, weight buckets)."""
 
     def __init__(self, app, max_bytes: int, exempt: tuple[str, ...] = (), token: str | None = None,
-                 body_timeout_s: float = 60.0):
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         self.app, self.max_bytes, self.exempt = app, max_bytes, frozenset(exempt)
         self.expected = f"Bearer {token}".encode() if token else None
         self.body_timeout_s = body_timeout_s
@@ -187,7 +190,7 @@ async def _refuse(scope, receive, send, status: int, detail: str, headers: dict 
 
 
 def cap_request_bodies(app: FastAPI, max_bytes: int, exempt: tuple[str, ...] = (), token: str | None = None,
-                       body_timeout_s: float = 60.0) -> None:
+                       body_timeout_s: float = BODY_TIMEOUT_S) -> None:
     """Every route's body from a caller with `token` only, at most `max_bytes` (413 otherwise) and
     whole within `body_timeout_s` (408), but for the `exempt` paths (BodyCap)."""
     app.add_middleware(BodyCap, max_bytes=max_bytes, exempt=exempt, token=token, body_timeout_s=body_timeout_s)

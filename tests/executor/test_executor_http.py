@@ -363,3 +363,29 @@ def test_async_client_retries_refused_connects_then_unavailable():
             await c.execute("print(1)")
     with pytest.raises(ExecutorUnavailable, match="after 3 attempts"):
         asyncio.run(go())
+
+
+def test_the_services_working_directory_is_not_readable_from_the_sandbox(tmp_path):
+    """`python -m` puts the cwd on sys.path, and the sandbox binds sys.path in: a service started
+    from a home or /tmp directory exposed what was there (a config with its token, say)."""
+    import shutil
+    import tempfile
+
+    from toolrl.net import LocalService
+
+    where = tempfile.mkdtemp(prefix="toolrl-cwd-")
+    try:
+        os.chmod(where, 0o755)
+        secret = os.path.join(where, "launch.env")
+        with open(secret, "w") as f:
+            f.write("TOKEN=hunter2\n")
+        os.chmod(secret, 0o644)
+        port = free_port()
+        with LocalService("toolrl.executor", ["--port", str(port)], f"http://127.0.0.1:{port}",
+                          log_path=tmp_path / "executor.log", cwd=where):
+            with ExecutorClient(f"http://127.0.0.1:{port}", timeout_s=60) as c:
+                assert c.execute("print(1)").stdout == "1\n"
+                r = c.execute(f"print(open({secret!r}).read())")
+        assert "hunter2" not in r.stdout and r.status == "error", r
+    finally:
+        shutil.rmtree(where, ignore_errors=True)

@@ -193,6 +193,28 @@ def test_a_one_shot_run_can_neither_flood_nor_oversize_its_result_channel(ex, c)
     assert (r.status, r.exit_code) == ("ok", 0), r
 
 
+def test_code_cannot_crash_the_fork_server_with_a_realtime_signal_or_deep_json(ex, c):
+    """A signal without a name in signal.Signals, and "[[[[..." on the result channel (a
+    RecursionError in json), each took the fork server down with every session (found in review)."""
+    restarts = c._http.get("/health").json()["restarts"]
+    r = c.execute("import os\nos.kill(os.getpid(), 40)")
+    assert r.status == "killed" and "signal 40" in r.stderr, r
+    r = c.execute("import os\nos.kill(os.getpid(), 40)", session_id=sid("rt"))
+    assert r.status == "killed" and "signal 40" in r.session_note, r
+    deep = "import os, struct\nb = b'[' * 3000\nos.write(3, struct.pack('>I', len(b)) + b)\nprint('deep')"
+    r = c.execute(deep)
+    assert (r.status, r.stdout) == ("ok", "deep\n"), r
+    r = c.execute(deep, session_id=sid("deep"))
+    assert r.stdout == "deep\n", r
+    assert c._http.get("/health").json()["restarts"] == restarts  # never went down
+
+
+def test_dot_segment_session_ids_are_refused(c):
+    for bad in (".", ".."):
+        r = c._http.post("/execute", json={"code": "print(1)", "session_id": bad})
+        assert r.status_code == 422 and "path segment" in r.text, r.text
+
+
 def test_sessions_are_isolated_from_each_other(c):
     a, b = sid("iso-a"), sid("iso-b")
     c.execute("secret = 'a-only'", session_id=a)

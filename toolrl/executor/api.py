@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Status = Literal["ok", "error", "timeout", "oom", "output_limit", "killed"]
 STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "oom", "output_limit", "killed")
@@ -23,6 +23,13 @@ class ExecRequest(BaseModel):
     memory_mb: int | None = Field(None, ge=16)
     stdin: str | None = None  # None: stdin is empty, input() raises EOFError
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)  # state kept between calls
+
+    @field_validator("session_id")
+    @classmethod
+    def _not_a_dot_segment(cls, v: str | None) -> str | None:
+        if v in (".", ".."):  # HTTP clients collapse them in DELETE /sessions/{id}: never deletable
+            raise ValueError(f"session_id {v!r} is a path segment of its own; pick another id")
+        return v
 
 
 class ExecResult(BaseModel):

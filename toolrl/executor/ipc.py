@@ -59,8 +59,8 @@ class FrameReader:
             del self.buf[:4 + n]
             try:
                 yield json.loads(body)
-            except ValueError as exc:
-                raise FrameError(f"frame is not JSON: {exc}") from None
+            except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." from a runner
+                raise FrameError(f"frame is not JSON: {type(exc).__name__}: {exc}") from None
 
 
 def read_frame_blocking(fd: int, limit: int = MAX_FRAME):

@@ -131,3 +131,14 @@ def clear_wakeup(fd: int) -> None:
         os.read(fd, 4096)
     except BlockingIOError:
         pass
+
+
+def raise_nofile_limit() -> int:
+    """The soft RLIMIT_NOFILE raised to the hard limit (the usual soft 1024 is too few for the fork
+    server's pipes, pidfds and namespace fds once hundreds of sessions live); -> the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    except (ValueError, OSError):
+        return soft

@@ -6,6 +6,7 @@ import time
 import pytest
 
 from toolrl.executor.frontend.session_ids import SessionManager, SessionsFull
+from toolrl.executor.ipc import EXECUTOR_CAUSED
 
 
 class Killed(list):
@@ -51,9 +52,10 @@ def test_sessions_lost_and_restart():
     m = SessionManager(4, 60, Killed())
     s = m.acquire("p")
     m.lost(s, "the process was killed by SIGKILL")
-    assert "SIGKILL" in m.acquire("p").pending_reset
+    reset = m.acquire("p").pending_reset
+    assert "SIGKILL" in reset and not reset.startswith(EXECUTOR_CAUSED)  # its own process: the code's doing
     m.reset_all("restarted")
-    assert m.acquire("p").pending_reset == "restarted"
+    assert m.acquire("p").pending_reset == EXECUTOR_CAUSED + "restarted"
 
 
 def test_tombstones_are_bounded():

@@ -22,7 +22,7 @@ from toolrl.executor.forkserver.manager import ForkServer
 from toolrl.executor.forkserver.session_runners import SESSION_UID_OFFSET
 from toolrl.executor.forkserver.sweeper import Sweeper
 from toolrl.executor.runner import seccomp
-from toolrl.executor.syscalls import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill, prctl
+from toolrl.executor.syscalls import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, kill, prctl, raise_nofile_limit
 
 log = logging.getLogger("toolrl.forkserver")
 
@@ -89,6 +89,13 @@ def main() -> None:
     sweeper = Sweeper()
     lanes = LaneFactory(scratch, report, cgroups, report["uid_drop"], cfg["limits"]["disk_mb"],
                         cfg["limits"]["nproc"])
+    # The manager holds four pipe ends per live runner: with hundreds of sessions, past the usual
+    # soft 1024 (an OSError there would take it down)
+    limit, need = raise_nofile_limit(), 4 * (cfg["workers"] + 2 + cfg["max_sessions"]) + 64
+    if limit < need:
+        log.warning("RLIMIT_NOFILE is %d, below the %d open files that %d workers and %d sessions may need: "
+                    "raise the hard limit or lower executor.max_sessions", limit, need, cfg["workers"],
+                    cfg["max_sessions"])
     server = ForkServer(sock_fd, cfg, report, cgroups, lanes, sweeper)
     server.serve()
     os._exit(0)

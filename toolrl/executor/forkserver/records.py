@@ -92,9 +92,9 @@ def classify(p: Proc, run: Run, status: int | None, cpu_ms: float, lane_oom) -> 
         elif signaled == signal.SIGKILL and lane_oom():
             word, note = "oom", f"[executor: killed at the memory limit of {run.job['memory_mb']} MB]"
         elif signaled in CRASH_SIGNALS:
-            word, note = "error", f"[executor: the process crashed: {signal.Signals(signaled).name}]"
+            word, note = "error", f"[executor: the process crashed: {signame(signaled)}]"
         else:
-            word, note = "killed", f"[executor: killed by {signal.Signals(signaled).name}]"
+            word, note = "killed", f"[executor: killed by {signame(signaled)}]"
     elif rep.get("oom") is True:
         word = "oom"
     elif exit_code == 0:
@@ -109,6 +109,15 @@ def classify(p: Proc, run: Run, status: int | None, cpu_ms: float, lane_oom) -> 
             "wall_ms": round((time.monotonic() - run.t0) * 1000, 3), "cpu_ms": round(cpu_ms, 3)}
 
 
+def signame(n: int) -> str:
+    """A signal's name; realtime signals (SIGRTMIN..SIGRTMAX, which a program can send itself) have
+    none in signal.Signals, and an exception here would take the fork server down."""
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
 def synthetic(status: str, note: str) -> dict:
     """A result for a job that never ran."""
     return {"status": status, "exit_code": None, "stdout": "", "stderr": note + "\n", "truncated": False,
@@ -121,5 +130,5 @@ def describe_exit(status: int, run: Run | None) -> str:
     if run is not None and run.kill_reason == "output_limit":
         return "the previous block printed too much and the process was killed"
     if os.WIFSIGNALED(status):
-        return f"the process was killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        return f"the process was killed by {signame(os.WTERMSIG(status))}"
     return f"the process exited with code {os.waitstatus_to_exitcode(status)}"

@@ -39,7 +39,7 @@ import threading
 
 from toolrl.executor.runner import child
 from toolrl.executor.syscalls import (CLONE_NEWNET, PR_SET_NO_NEW_PRIVS, clear_wakeup, prctl, setns,
-                                      sigchld_wakeup, unshare)
+                                      raise_nofile_limit, sigchld_wakeup, unshare)
 
 VM_REFRESH = 256  # forks between re-reads of our own address-space size
 
@@ -116,13 +116,9 @@ def _main(sock: socket.socket, preimport: list[str], base_path: list[str]) -> No
         except Exception as exc:  # an optional module (numpy, sympy) that is not installed
             missing.append(f"{name}: {type(exc).__name__}")
     devnull = os.open(os.devnull, os.O_RDONLY)  # fd 4: with 0-4 taken, every pipe end is >= 5
-    # One pidfd per live runner and one namespace fd per lane: up to the hard limit, not the usual
-    # soft 1024 (runners set their own limit before any code runs)
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):
-        pass
+    # One pidfd per live runner and one namespace fd per lane (runners set their own limit before
+    # any code runs)
+    raise_nofile_limit()
     reaper = _Reaper()
     netns = _LaneNetns()
     child.prepare_parent(base_path, reaper.handled)

@@ -27,7 +27,7 @@ from toolrl.executor.api import BatchRequest, BatchResponse, ExecRequest, ExecRe
 from toolrl.executor.frontend.forkserver_link import ForkServerDown, ForkServerLink, QueueFull
 from toolrl.executor.frontend.session_ids import SessionManager, SessionsFull
 from toolrl.executor.ipc import EXECUTOR_CAUSED
-from toolrl.net import bearer_auth, install_error_handlers, read_body_capped
+from toolrl.net import BODY_TIMEOUT_S, bearer_auth, install_error_handlers, read_body_capped
 
 log = logging.getLogger("toolrl.executor")
 
@@ -208,13 +208,13 @@ def create_app(cfg: ExecutorConfig) -> FastAPI:
     # The two hot endpoints are plain Starlette routes (same errors, same JSON), the rest FastAPI.
     async def execute(request: Request) -> Response:
         await authorize(request)
-        req = _parse(ExecRequest, await read_body_capped(request, cfg.max_request_bytes))
+        req = _parse(ExecRequest, await read_body_capped(request, cfg.max_request_bytes, BODY_TIMEOUT_S))
         [res] = await ex.run([req], batch=False)
         return Response(res.model_dump_json(), media_type="application/json")
 
     async def execute_batch(request: Request) -> Response:
         await authorize(request)
-        req = _parse(BatchRequest, await read_body_capped(request, cfg.max_request_bytes))
+        req = _parse(BatchRequest, await read_body_capped(request, cfg.max_request_bytes, BODY_TIMEOUT_S))
         if len(req.items) > cfg.max_queue:
             raise HTTPException(413, f"batch of {len(req.items)} items is over "
                                      f"executor.max_queue={cfg.max_queue}; split it")

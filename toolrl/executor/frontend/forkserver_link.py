@@ -53,16 +53,19 @@ class ForkServerLink:
     # -- life cycle ------------------------------------------------------------------------------
     async def start(self) -> dict:
         parent, child = socket.socketpair()
+        root = os.path.dirname(os.path.dirname(os.path.abspath(toolrl.__file__)))
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-               "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(toolrl.__file__))),
+               "PYTHONPATH": root,
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "NUMEXPR_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
                # symbols resolved once at load, in the zygotes, not lazily again in every runner
                # (each lazy lookup writes the GOT: a copy-on-write fault; ~0.25 ms a run measured)
                "LD_BIND_NOW": "1"}  # nothing of ours (tokens, keys) gets in
+        # cwd: `-m` puts it on sys.path, and the sandbox can read what is on sys.path; the service's
+        # own cwd (a home or /tmp directory, say) must not be, so it is the package's root, already there
         self.proc = subprocess.Popen([sys.executable, "-m", "toolrl.executor.forkserver", str(child.fileno())],
                                      pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, close_fds=True)
+                                     stdout=subprocess.DEVNULL, close_fds=True, cwd=root)
         child.close()
         parent.sendall(ipc.pack(self._fork_config()))
         reader, self._writer = await asyncio.open_connection(sock=parent, limit=ipc.MAX_FRAME)
