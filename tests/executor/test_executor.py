@@ -197,6 +197,18 @@ def test_code_can_make_no_namespaces_and_mount_nothing(s):
     assert s.health["isolation"]["seccomp"] is True
 
 
+def test_sockets_only_of_the_unix_ip_and_netlink_families(s):
+    """AF_VSOCK would reach the hypervisor past every network namespace; AF_ALG is kernel surface."""
+    code = ("import socket\nout = []\nfor fam in (40, 38):  # AF_VSOCK, AF_ALG\n    try:\n"
+            "        socket.socket(fam, socket.SOCK_STREAM if fam == 40 else socket.SOCK_SEQPACKET)\n"
+            "        out.append('open')\n    except OSError as e:\n        out.append(e.errno)\n"
+            "socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()\n"
+            "socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).close()\n"
+            "a, b = socket.socketpair()\na.sendall(b'x')\nout.append(b.recv(1))\nprint(out)")
+    r = s.run(code)
+    assert (r.status, r.stdout) == ("ok", "[97, 97, b'x']\n"), r  # EAFNOSUPPORT
+
+
 # -- processes and threads ---------------------------------------------------------------------------
 
 def test_fork_bomb(s):

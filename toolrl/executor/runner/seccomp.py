@@ -5,7 +5,9 @@ comes from the zygote, so no privilege is needed). It refuses with EPERM what wo
 build a sandbox of its own or reach into the kernel's riskier corners: new namespaces (unshare,
 setns, clone with a CLONE_NEW* flag: an unprivileged user namespace would give it mount and network
 powers of its own), mounts of any kind, chroot, ptrace and cross-process memory access, keyrings,
-BPF, perf events, userfaultfd, io_uring and module or kexec loading. clone3 gets ENOSYS, so the C
+BPF, perf events, userfaultfd, io_uring and module or kexec loading, and sockets of any family but
+Unix, IP and netlink (AF_VSOCK reaches the hypervisor past every network namespace; AF_ALG and the
+rest are kernel surface no snippet needs: EAFNOSUPPORT). clone3 gets ENOSYS, so the C
 library falls back to clone, whose flags the filter can read. Everything else is allowed: Python,
 numpy, threads, fork and subprocesses work as before. x86_64 only (the numbers below are its own);
 elsewhere the layer is reported missing.
@@ -23,6 +25,8 @@ AUDIT_ARCH_X86_64 = 0xC000003E
 X32_SYSCALL_BIT = 0x40000000
 CLONE_NEW_FLAGS = 0x7E020000  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 NR_CLONE = 56
+NR_SOCKET, NR_SOCKETPAIR = 41, 53
+SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK (glibc's getaddrinfo asks it)
 DENIED = {  # x86_64 syscall number: errno
     272: errno.EPERM, 308: errno.EPERM,  # unshare, setns
     165: errno.EPERM, 166: errno.EPERM, 155: errno.EPERM, 161: errno.EPERM,  # mount, umount2, pivot_root, chroot
@@ -51,6 +55,11 @@ def _program() -> list[tuple[int, int, int, int]]:
          (_JGE, 0, 1, X32_SYSCALL_BIT), (_RET, 0, 0, _ERRNO | errno.EPERM)]
     for nr, err in DENIED.items():
         p += [(_JEQ, 0, 1, nr), (_RET, 0, 0, _ERRNO | err)]
+    n = len(SOCKET_FAMILIES)
+    for nr in (NR_SOCKET, NR_SOCKETPAIR):  # the family (args[0]) is one of SOCKET_FAMILIES, or refused
+        p += [(_JEQ, 0, n + 3, nr), (_LD_W_ABS, 0, 0, 16)]
+        p += [(_JEQ, n - k, 0, family) for k, family in enumerate(SOCKET_FAMILIES)]
+        p += [(_RET, 0, 0, _ERRNO | errno.EAFNOSUPPORT), (_RET, 0, 0, _ALLOW)]
     p += [(_JEQ, 0, 3, NR_CLONE),
           (_LD_W_ABS, 0, 0, 16),  # clone's flags
           (_JSET, 0, 1, CLONE_NEW_FLAGS), (_RET, 0, 0, _ERRNO | errno.EPERM),
