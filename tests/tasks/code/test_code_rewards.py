@@ -73,6 +73,32 @@ ATTACKS = {
         "import sys\ndef t(frame, event, arg):\n    return t\nsys.settrace(t)\n"
         "def add(a, b):\n    return -99\n"),
     "an infinite loop": "def add(a, b):\n    while True:\n        pass\n",
+    # found in review (2026-11-29): callables that are not plain functions, json's own encoder patched,
+    # a thread or a profiling timer that patches the checker between the harness's steps
+    "a class named like the function": (
+        "class add:\n    def __init__(self, *a):\n        pass\n    def __eq__(self, o):\n        return True\n"),
+    "a callable instance": (
+        "class _Y:\n    def __eq__(self, o):\n        return True\nclass _F:\n    def __call__(self, *a):\n"
+        "        return _Y()\nadd = _F()\n"),
+    "a functools.partial": (
+        "import functools\nclass _Y:\n    def __eq__(self, o):\n        return True\n"
+        "def _g(*a):\n    return _Y()\nadd = functools.partial(_g)\n"),
+    "patching json's default encoder": (
+        "import json\n_e = json._default_encoder\n_orig = type(_e).encode\ndef _fake(obj):\n"
+        "    if isinstance(obj, list) and len(obj) == 3 and obj[1] is False:\n        obj = [obj[0], True, None]\n"
+        "    return _orig(_e, obj)\n_e.encode = _fake\ndef add(a, b):\n    return -99\n"),
+    "a thread that patches json between steps": (
+        "import threading, json, sys\n_orig = json.dumps\ndef _fake(obj, *a, **k):\n"
+        "    if isinstance(obj, list) and len(obj) == 3 and obj[1] is False:\n        obj = [obj[0], True, None]\n"
+        "    return _orig(obj, *a, **k)\ndef _loop():\n    while True:\n        json.dumps = _fake\n"
+        "sys.setswitchinterval(1e-6)\nthreading.Thread(target=_loop, daemon=True).start()\n"
+        "def add(a, b):\n    return -99\n"),
+    "a profiling timer that patches json": (
+        "import signal, json\n_orig = json.dumps\ndef _fake(obj, *a, **k):\n"
+        "    if isinstance(obj, list) and len(obj) == 3 and obj[1] is False:\n        obj = [obj[0], True, None]\n"
+        "    return _orig(obj, *a, **k)\ndef _h(*a):\n    json.dumps = _fake\n"
+        "signal.signal(signal.SIGPROF, _h)\nsignal.setitimer(signal.ITIMER_PROF, 0.00002, 0.00002)\n"
+        "def add(a, b):\n    return -99\n"),
 }
 
 
@@ -89,6 +115,43 @@ def test_patching_a_module_the_tests_use_is_undone(client):
              "def area(r):\n    math.isclose = lambda *a, **k: True\n    return 0\n")
     honest = "import math\ndef area(r):\n    return math.pi * r * r\n"
     assert score(client, [cheat, honest], spec) == [0, 2]
+
+
+def test_a_program_cannot_answer_for_the_builtins_or_modules_the_tests_use(client):
+    """`def set(...)`, `def abs(...)` or `math = ...` in the program stay the program's: the tests
+    see the real ones (the function under test keeps its own name, even a builtin's)."""
+    sets = TestSpec("assert", tests=["assert set(similar((3, 4, 5), (5, 4))) == set((4, 5))"])
+    honest = "def similar(a, b):\n    return tuple(set(a) & set(b))\n"
+    shadow = "def similar(a, b):\n    return ()\ndef set(*a):\n    return 0\n"
+    assert score(client, [honest, shadow], sets) == [1, 0]
+    he = TestSpec("assert", tests=["assert abs(candidate(1.0) - 0.5) < 1e-6"], entry_point="half")
+    fake_abs = "def half(x):\n    return 7.0\ndef abs(x):\n    return 0\n"
+    assert score(client, ["def half(x):\n    return x / 2\n", fake_abs], he) == [1, 0]
+    area = TestSpec("assert", tests=["assert math.isclose(area(2), 12.566, rel_tol=0.001)"], setup="import math")
+    fake_math = ("import math\ndef area(r):\n    return 0\nclass M:\n    def isclose(self, *a, **k):\n"
+                 "        return True\nmath = M()\n")
+    assert score(client, ["import math\ndef area(r):\n    return math.pi * r * r\n", fake_math], area) == [1, 0]
+    named_max = TestSpec("assert", tests=["assert max([3, 1, 2]) == 3"], entry_point="max")
+    assert score(client, ["def max(xs):\n    return sorted(xs)[-1]\n"], named_max) == [1]
+
+
+def test_stdio_answers_must_be_finite_numbers_and_scripts_may_use_fds_0_and_1(client):
+    spec = TestSpec("stdio", inputs=["3 4\n", "10 20\n"], outputs=["7", "30"])
+    assert score(client, ["print('nan')\n", "print('inf')\n"], spec) == [0, 0]  # nan matched any number
+    fd_io = "import sys\na, b = map(int, open(0).read().split())\nsys.__stdout__.write(str(a + b) + '\\n')\n"
+    assert score(client, [fd_io, "a, b = map(int, input().split())\nprint(a + b)\n"], spec) == [2, 2]
+
+
+def test_a_run_the_executor_spoiled_is_an_executor_error_not_a_score():
+    from toolrl.executor.api import ExecResult
+    from toolrl.executor.client import ExecutorError
+
+    class Spoiled:
+        def execute_batch(self, items):
+            return [ExecResult(status="killed", exit_code=None, stdout="", stderr="[executor: cannot start runners]\n",
+                               truncated=False, wall_ms=0, cpu_ms=0, executor_fault=True) for _ in items]
+    with pytest.raises(ExecutorError, match="cannot start runners"):
+        run_tests(Spoiled(), [GOOD], [ADD])
 
 
 def test_humaneval_style_candidate_and_stdio_and_call_tasks(client):
@@ -224,3 +287,14 @@ def test_score_cli_prints_passed_total_reward(tmp_path):
     assert json.loads(p.stdout)["reward"] == 0.0
     p = run("humaneval:HumanEval/no-such", prog)
     assert p.returncode == 2 and "no task" in p.stderr
+
+
+def test_an_mbpp_function_named_like_a_builtin_stays_visible_to_its_tests(tmp_path, client):
+    row = {"task_id": 1, "text": "Write max.", "code": "def max(xs):\n    return sorted(xs)[-1]\n",
+           "test_list": ["assert max([3, 1, 2]) == 3", "assert set([max([1])]) == {1}"]}
+    path = tmp_path / "mbpp.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    [p] = load_mbpp(str(path))
+    spec = TestSpec.from_json(p.answer)
+    assert spec.entry_point == "max"  # not `set`: the reference does not define it
+    assert score(client, [p.program], spec) == [2]

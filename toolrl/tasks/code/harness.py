@@ -9,6 +9,7 @@ from toolrl, and what it captures first (os.write, os._exit, ...) the program ca
 
 
 def _toolrl_harness(program, spec):
+    import ast
     import builtins
     import hashlib
     import io
@@ -17,9 +18,13 @@ def _toolrl_harness(program, spec):
     import signal
     import sys
     write, exit_, read, settrace, setprofile = os.write, os._exit, os.read, sys.settrace, sys.setprofile
+    listdir, dup, dup2, lseek, memfd, close = os.listdir, os.dup, os.dup2, os.lseek, os.memfd_create, os.close
     nonce = read(0, 256).decode().strip()
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)  # fd 0 again: input() sees EOF, never the nonce
+    report_fd = dup(1)  # reports go here; fd 1 itself is the program's (stdio tasks capture it)
+    encode = json.JSONEncoder().encode  # a private encoder: the program can patch json's own
+    real_builtins = dict(builtins.__dict__)
     import collections
     import decimal
     import fractions
@@ -98,8 +103,20 @@ def _toolrl_harness(program, spec):
         return text if len(text) <= 200 else {"sha256": hashlib.sha256(text.encode()).hexdigest()}
 
     def report(i, ok, payload=None):
-        line = json.dumps([i, ok, payload])
-        write(1, ("\n" + nonce + " " + line + "\n").encode())
+        line = encode([i, ok, payload])
+        write(report_fd, ("\n" + nonce + " " + line + "\n").encode())
+
+    def alone():
+        """What the program left running between our own steps: threads (they could patch the
+        checker after `restore`), signal handlers and interval timers. Threads refuse the run;
+        handlers and timers are reset."""
+        for sig in (signal.SIGPROF, signal.SIGVTALRM, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
+        if len(listdir("/proc/self/task")) > 1:
+            report(-1, False, "threads")
+            exit_(0)
 
     def run(code, ns, timeout):
         signal.signal(signal.SIGALRM, on_alarm)
@@ -109,6 +126,47 @@ def _toolrl_harness(program, spec):
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             restore()
+            alone()
+
+    def checked(v):  # what a test compares or asserts must be plain data, whatever produced it
+        if not plain(v, [0]):
+            raise NotPlain(f"a test compared {type(v).__name__}, not plain data")
+        return v
+
+    class Plainify(ast.NodeTransformer):
+        """Every value a test compares (==, <, in, ...), negates, combines with and/or or asserts
+        goes through `checked`: an object of the program's whose __eq__ or __bool__ agrees with
+        anything cannot pass, however it was made (a class, a callable instance, a partial)."""
+        VALUE_OPS = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn)
+
+        def wrap(self, node):
+            return ast.Call(ast.Name("__harness_checked__", ast.Load()), [node], [])
+
+        def visit_Compare(self, node):
+            self.generic_visit(node)
+            if all(isinstance(op, self.VALUE_OPS) for op in node.ops):
+                node.left, node.comparators = self.wrap(node.left), [self.wrap(c) for c in node.comparators]
+            return node
+
+        def visit_UnaryOp(self, node):
+            self.generic_visit(node)
+            if isinstance(node.op, ast.Not):
+                node.operand = self.wrap(node.operand)
+            return node
+
+        def visit_BoolOp(self, node):
+            self.generic_visit(node)
+            node.values = [self.wrap(v) for v in node.values]
+            return node
+
+        def visit_Assert(self, node):
+            self.generic_visit(node)
+            node.test = self.wrap(node.test)
+            return node
+
+    def compile_test(src, name):
+        tree = ast.fix_missing_locations(Plainify().visit(ast.parse(src, name)))
+        return compile(tree, name, "exec", dont_inherit=True, optimize=0)
 
     timeout = spec["per_test_timeout_s"]
     try:
@@ -117,6 +175,12 @@ def _toolrl_harness(program, spec):
         report(-1, False, "syntax")
         exit_(0)
     if spec["kind"] == "assert":
+        tests = []  # compiled before the program runs, which cannot touch `ast` or `compile` by then
+        for test in spec["tests"]:
+            try:
+                tests.append(compile_test(test, "<test>"))
+            except BaseException as exc:
+                tests.append(exc)
         ns = {"__name__": "__main__", "__builtins__": builtins}
         sys.stdout = sys.stderr = io.StringIO()
         try:
@@ -134,18 +198,37 @@ def _toolrl_harness(program, spec):
                 report(-1, False, "no " + spec["entry_point"])
                 exit_(0)
             ns["candidate"] = ns[spec["entry_point"]]
-        for i, test in enumerate(spec["tests"]):
+        # The tests see the real builtins and modules: a program's `def set(...)`, `def abs(...)` or
+        # `math = ...` must not answer for them (the function under test keeps its name)
+        for k in [k for k in ns if k in real_builtins and k != spec.get("entry_point") and k != "__builtins__"]:
+            del ns[k]
+        for n, m, _ in snap:
+            if n in ns and ns[n] is not m:
+                ns[n] = m
+        ns["__harness_checked__"] = checked
+        for i, test in enumerate(tests):
+            if isinstance(test, BaseException):
+                report(i, False, type(test).__name__)
+                continue
             try:
-                run(compile(test, "<test>", "exec", dont_inherit=True, optimize=0), dict(ns), timeout)
+                run(test, dict(ns), timeout)
                 report(i, True)
             except BaseException as exc:
                 report(i, False, type(exc).__name__)
     elif spec["kind"] == "stdio":
+        devnull_fd = dup(0)
         for i, text in enumerate(spec["inputs"]):
-            # real text streams over bytes, so sys.stdin.buffer / sys.stdout.buffer work as in a script
+            # The input on fd 0 and on sys.stdin, what is printed taken from fd 1 and sys.stdout: a
+            # script may read open(0) and write sys.__stdout__ as well as use input() and print()
+            data = text.encode()
+            fd_in, fd_out = memfd("stdin"), memfd("stdout")
+            write(fd_in, data)
+            lseek(fd_in, 0, 0)
+            dup2(fd_in, 0)
+            dup2(fd_out, 1)
             raw = io.BytesIO()
             out = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", write_through=True)
-            sys.stdin = io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8")
+            sys.stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
             sys.stdout, sys.stderr = out, io.StringIO()
             try:
                 run(compiled, {"__name__": "__main__", "__builtins__": builtins}, timeout)
@@ -154,11 +237,19 @@ def _toolrl_harness(program, spec):
                 ok = exc.code in (None, 0)
             except BaseException:
                 ok = False
-            try:
-                out.flush()
-            except BaseException:
-                pass
-            printed = raw.getvalue().decode("utf-8", "replace")
+            for stream in (out, sys.__stdout__):
+                try:
+                    stream.flush()
+                except BaseException:
+                    pass
+            dup2(devnull_fd, 0)
+            dup2(report_fd, 1)
+            size = lseek(fd_out, 0, 2)
+            lseek(fd_out, 0, 0)
+            direct = read(fd_out, size) if size else b""
+            close(fd_in)
+            close(fd_out)
+            printed = (direct + raw.getvalue()).decode("utf-8", "replace")
             text = "\n".join(ln.rstrip() for ln in printed.strip().splitlines())
             report(i, ok, digest(text) if ok else None)
     else:

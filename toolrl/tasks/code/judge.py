@@ -12,10 +12,17 @@ harness that reports each result on a line that starts with a fresh random nonce
 arrives on stdin and the harness closes stdin before the program runs, so the program cannot
 print a valid report: not by `sys.exit(0)` before the tests (no report: nothing passed), not by
 printing "PASSED" lines, not by patching the checker or builtins (they are restored around every
-call into the program), not by returning an object whose `__eq__` always agrees (return values
-must be plain data), and not by catching a test's exception (the harness runs each test). For
-`stdio` and `call` tasks the expected outputs never enter the sandbox at all. Out of scope: a
-program that walks the interpreter's frames or memory to find the nonce.
+call into the program, and reports are encoded by the harness's own encoder onto its own copy of
+fd 1), not by an object whose `__eq__` or `__bool__` always agrees (the program's functions must
+return plain data, and every value a test compares, negates or asserts is checked to be plain data
+whatever made it: a class, a callable instance, a partial), not by its own `set`, `abs` or
+`math` (the tests see the real builtins and modules; the function under test keeps its name), not
+by a thread or a signal handler that patches things between the harness's steps (a thread left
+running refuses the run; handlers and interval timers are reset), and not by catching a test's
+exception (the harness runs each test). For `stdio` and `call` tasks the expected outputs never
+enter the sandbox at all. Out of scope, for `assert` tasks: a program that walks the interpreter's
+frames or memory to find the nonce or the harness's objects (tests/tasks/code/test_code_rewards.py
+lists every attack that is checked).
 """
 from __future__ import annotations
 
@@ -23,12 +30,14 @@ import ast
 import hashlib
 import inspect
 import json
+import math
 import re
 import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from toolrl.executor.api import ExecRequest
+from toolrl.executor.api import ExecRequest, ExecResult
+from toolrl.executor.client import ExecutorError
 from toolrl.format import extract_code
 from toolrl.tasks.code.harness import _toolrl_harness
 
@@ -130,16 +139,18 @@ def _digest(text: str):
 
 
 def _tokens_close(got: str, want: str) -> bool:
-    """Token by token, numbers equal within 1e-6 (APPS checkers accept float noise)."""
+    """Token by token, numbers equal within 1e-6 (APPS checkers accept float noise). Only finite
+    numbers: "nan" is no closer to 7 than any other word (abs(nan - 7) > 1e-6 is False)."""
     a, b = got.split(), want.split()
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
         if x != y:
             try:
-                if abs(float(x) - float(y)) > 1e-6:
-                    return False
+                fx, fy = float(x), float(y)
             except ValueError:
+                return False
+            if not (math.isfinite(fx) and math.isfinite(fy)) or abs(fx - fy) > 1e-6:
                 return False
     return True
 
@@ -250,9 +261,7 @@ def run_tests(client, programs: list[str | None], specs: list[TestSpec], per_tes
     """Run each program with its tests, one executor batch for all; results in input order."""
     todo, results = _requests(programs, specs, per_test_timeout_s, max_timeout_s)
     for chunk in _chunks(todo):
-        outs = client.execute_batch([t[3] for t in chunk])
-        for (idx, spec, nonce, _), out in zip(chunk, outs):
-            results[idx] = judge(out.stdout, out.status, nonce, spec)
+        _judge_chunk(chunk, client.execute_batch([t[3] for t in chunk]), results)
     return results
 
 
@@ -260,7 +269,14 @@ async def arun_tests(client, programs: list[str | None], specs: list[TestSpec], 
                      max_timeout_s: float = 10.0) -> list[TestResult]:
     todo, results = _requests(programs, specs, per_test_timeout_s, max_timeout_s)
     for chunk in _chunks(todo):
-        outs = await client.execute_batch([t[3] for t in chunk])
-        for (idx, spec, nonce, _), out in zip(chunk, outs):
-            results[idx] = judge(out.stdout, out.status, nonce, spec)
+        _judge_chunk(chunk, await client.execute_batch([t[3] for t in chunk]), results)
     return results
+
+
+def _judge_chunk(chunk: list, outs: list[ExecResult], results: list) -> None:
+    """A run the executor itself spoiled (executor_fault: a runner that could not start, a full
+    queue) says nothing of the program: ExecutorError, which callers count as unscored, never 0."""
+    for (idx, spec, nonce, _), out in zip(chunk, outs, strict=True):
+        if out.executor_fault:
+            raise ExecutorError(f"the executor could not run the tests: {out.stderr.strip()[:300]}")
+        results[idx] = judge(out.stdout, out.status, nonce, spec)
