@@ -56,9 +56,9 @@ def test_tool_bonus_only_for_clean_runs_and_capped():
 def test_simple_recipe_rewards():
     cfg = RewardConfig(weights={"digit": 1.0, "mark": 1.0, "strict_format": 1.0})
     comps, total = score(comp(GOOD), "1234", cfg)
-    assert comps == {"digit": 1.0, "mark": 1.0, "strict_format": 1.0} and total == 3.0
+    assert comps == {"correct": 1.0, "digit": 1.0, "mark": 1.0, "strict_format": 1.0} and total == 3.0
     comps, _ = score(comp("<think>a</think><think>b</think><answer>\\boxed{x}</answer>"), "1", cfg)
-    assert comps == {"digit": 0.0, "mark": 0.5, "strict_format": 0.0}
+    assert comps == {"correct": 0.0, "digit": 0.0, "mark": 0.5, "strict_format": 0.0}
 
 
 def test_weighted_total_and_custom_reward():
@@ -165,3 +165,18 @@ def test_a_verifier_child_killed_under_it_is_replaced_and_the_answer_still_grade
         assert v("1/3", "0.5") is False
     finally:
         v.close()
+
+
+def test_an_escaped_dollar_is_currency_not_a_math_delimiter():
+    from toolrl.worker.rewards import is_correct
+
+    assert is_correct(r"\$18", "18") and is_correct("1.17", r"\$1.17") and not is_correct(r"\$19", "18")
+
+
+def test_correct_is_computed_even_when_no_weight_names_it():
+    """Accuracy, pass@k, the curriculum and the teacher's decay read rewards["correct"]: a code
+    recipe weighting only `tests` and `code_format` zeroed them all."""
+    cfg = RewardConfig(weights={"format": 1.0})
+    c = Completion(text="", final_text="<think>\nx\n</think>\n<answer>\n\\boxed{4}\n</answer>")
+    comps, total = score(c, "4", cfg)
+    assert comps["correct"] == 1.0 and total == comps["format"]  # logged, not weighted

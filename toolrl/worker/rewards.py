@@ -55,7 +55,9 @@ def register_reward(name: str):
 def _verify(pred: str, gold: str, timeout_s: int) -> bool:
     from math_verify import parse, verify  # runs in the verifier's child process (and is slow to import)
 
-    wrap = lambda s: s if "$" in s or "\\boxed" in s else f"${s}$"  # noqa: E731
+    # already math (an unescaped $, or \boxed) as it is; anything else between $...$. An escaped
+    # dollar (\$18, a currency) is text inside the math, not a delimiter
+    wrap = lambda s: s if re.search(r"(?<!\\)\$", s) or "\\boxed" in s else f"${s}$"  # noqa: E731
     gold_p = parse(wrap(gold), parsing_timeout=timeout_s)
     pred_p = parse(wrap(pred), parsing_timeout=timeout_s)
     return bool(gold_p and pred_p and verify(gold_p, pred_p, timeout_seconds=timeout_s))
@@ -226,8 +228,9 @@ def check_names(weights: dict[str, float]) -> None:
 
 
 def score(c: Completion, answer: str, cfg: RewardConfig, version: int = 0) -> tuple[dict[str, float], float]:
-    """(components, weighted total) at a policy version. Components at weight 0 are still logged."""
+    """(components, weighted total) at a policy version. Components at weight 0 are still logged,
+    and `correct` always is: accuracy, pass@k, the curriculum and the teacher's decay read it."""
     weights = weights_at(cfg, version)
     check_names(weights)
-    comps = {name: float(REWARDS[name](c, answer, cfg)) for name in weights}
+    comps = {name: float(REWARDS[name](c, answer, cfg)) for name in {"correct": 0.0, **weights}}
     return comps, sum(weights[n] * comps[n] for n in weights)
