@@ -298,3 +298,14 @@ def test_an_mbpp_function_named_like_a_builtin_stays_visible_to_its_tests(tmp_pa
     spec = TestSpec.from_json(p.answer)
     assert spec.entry_point == "max"  # not `set`: the reference does not define it
     assert score(client, [p.program], spec) == [2]
+
+
+def test_reports_cut_by_the_output_cap_leave_the_sample_unscored_not_zero(client):
+    from toolrl.tasks.code.judge import ReportsCut
+
+    n = 300  # ~300 report lines: more than the executor keeps of a run's output (8 KiB head and tail)
+    spec = TestSpec("stdio", inputs=[f"{i}\n" for i in range(n)], outputs=[str(2 * i) for i in range(n)])
+    with pytest.raises(ReportsCut, match="output cap cut the reports"):
+        run_tests(client, ["i = int(input())\nprint(2 * i)\n"], [spec], per_test_timeout_s=0.5, max_timeout_s=20)
+    few = replace(spec, inputs=spec.inputs[:40], outputs=spec.outputs[:40])
+    assert score(client, ["i = int(input())\nprint(2 * i)\n", "print(0)\n"], few) == [40, 1]

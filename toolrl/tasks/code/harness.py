@@ -23,6 +23,7 @@ def _toolrl_harness(program, spec):
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)  # fd 0 again: input() sees EOF, never the nonce
     report_fd = dup(1)  # reports go here; fd 1 itself is the program's (stdio tasks capture it)
+    dup2(os.open(os.devnull, os.O_WRONLY), 1)  # what a program writes to fd 1 never crowds the reports
     encode = json.JSONEncoder().encode  # a private encoder: the program can patch json's own
     real_builtins = dict(builtins.__dict__)
     import collections

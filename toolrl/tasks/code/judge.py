@@ -169,9 +169,15 @@ def _value_matches(payload, want) -> bool:
                for w in options)
 
 
-def judge(stdout: str, status: str, nonce: str, spec: TestSpec) -> TestResult:
+class ReportsCut(ExecutorError):
+    """The executor's output cap (executor.max_output_bytes, head and tail kept) cut the reports of
+    a run with many tests: what passed is unknown, so the sample is unscored, never 0."""
+
+
+def judge(stdout: str, status: str, nonce: str, spec: TestSpec, truncated: bool = False) -> TestResult:
     """Count passes from the harness's nonce lines. A test reported twice means the output was
-    tampered with: nothing passes. A nonce line that does not parse was cut by the output cap."""
+    tampered with: nothing passes. A nonce line that does not parse was cut by the output cap;
+    with the output `truncated` and tests unreported, ReportsCut."""
     seen: dict[int, tuple[bool, object]] = {}
     detail = ""
     for line in stdout.splitlines():
@@ -197,6 +203,9 @@ def judge(stdout: str, status: str, nonce: str, spec: TestSpec) -> TestResult:
             passed += _stdout_matches(payload, spec.outputs[i])
         else:
             passed += _value_matches(payload, spec.outputs[i])
+    if truncated and len(seen) < spec.total and not detail:
+        raise ReportsCut(f"the executor's output cap cut the reports of {spec.total - len(seen)} of {spec.total} "
+                         "tests: raise executor.max_output_bytes for tasks with this many tests")
     if not seen and not detail:
         detail = f"no test ran (executor status {status})"
     return TestResult(passed, spec.total, status, detail)
@@ -279,4 +288,4 @@ def _judge_chunk(chunk: list, outs: list[ExecResult], results: list) -> None:
     for (idx, spec, nonce, _), out in zip(chunk, outs, strict=True):
         if out.executor_fault:
             raise ExecutorError(f"the executor could not run the tests: {out.stderr.strip()[:300]}")
-        results[idx] = judge(out.stdout, out.status, nonce, spec)
+        results[idx] = judge(out.stdout, out.status, nonce, spec, out.truncated)
