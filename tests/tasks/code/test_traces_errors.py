@@ -163,3 +163,32 @@ def test_no_passing_answer_writes_no_traces_and_says_where_the_rejected_are(caps
     rows = [json.loads(x) for x in rejected.read_text().splitlines()]
     assert [(r["id"], r["thinking"], r["code"], r["passed"], r["total"]) for r in rows] == [
         ("mbpp:1", "Add them, I think.", "def add(a, b):\n    return a - b", 0, 3)] * 2
+
+
+def test_an_executor_failure_on_one_task_keeps_the_others_answers(tmp_path):
+    """The tests of one task could not run (the executor's doing): that task is unscored and counted,
+    and every other task's answers are still judged and returned."""
+    import asyncio
+
+    from toolrl.executor.api import ExecResult
+    from toolrl.tasks.code.traces import collect
+    from toolrl.tasks.code.loaders import load_mbpp
+
+    problems = load_mbpp(str(MBPP))[:2]
+    assert len(problems) == 2
+
+    class HalfDown:
+        calls = 0
+
+        async def execute_batch(self, items):
+            HalfDown.calls += 1
+            if HalfDown.calls == 1:
+                return [ExecResult(status="killed", exit_code=None, stdout="", stderr="[executor: cannot start]\n",
+                                   truncated=False, wall_ms=0, cpu_ms=0, executor_fault=True) for _ in items]
+            return [ExecResult(status="ok", exit_code=0, stdout="", stderr="", truncated=False, wall_ms=1, cpu_ms=1)
+                    for _ in items]
+
+    with stub() as url:
+        kept, rejected, stats = asyncio.run(collect(problems, f"{url}/v1", "teacher", HalfDown(), concurrency=1,
+                                                    retries=1, progress=False))
+    assert stats["unscored_tasks"] == 1 and stats["answered"] == 2 and len(rejected) == 1 and kept == []

@@ -30,7 +30,7 @@ import httpx
 from tqdm import tqdm
 
 from toolrl.config import add_config_args, config_from_args
-from toolrl.executor.client import AsyncExecutorClient
+from toolrl.executor.client import AsyncExecutorClient, ExecutorError
 from toolrl.executor.local import executor_available
 from toolrl.prompts import load_chat_prompt
 from toolrl.tasks.base import DataError, Problem
@@ -126,7 +126,8 @@ async def collect(problems: list[Problem], base_url: str, model: str, executor, 
     chat = load_chat_prompt(prompt)
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    stats = {"requested": len(problems) * samples, "answered": 0, "failed_requests": 0, "retries": 0, "kept": 0}
+    stats = {"requested": len(problems) * samples, "answered": 0, "failed_requests": 0, "retries": 0, "kept": 0,
+             "unscored_tasks": 0}
     sem = asyncio.Semaphore(concurrency)
     kept, rejected = [], []
 
@@ -141,7 +142,13 @@ async def collect(problems: list[Problem], base_url: str, model: str, executor, 
         stats["answered"] += len(answers)
         spec = TestSpec.from_json(problem.answer)
         codes = [program_in(m.get("content") or "", spec) for m in answers]
-        results = await arun_tests(executor, codes, [spec] * len(codes), per_test_timeout_s)
+        try:
+            results = await arun_tests(executor, codes, [spec] * len(codes), per_test_timeout_s)
+        except ExecutorError as exc:  # the executor's failure, not the answers': unscored, the rest kept
+            stats["unscored_tasks"] += 1
+            tqdm.write(f"teacher_traces: could not test the answers for {problem.id}: {exc}", file=sys.stderr)
+            bar.update(1)
+            return
         for m, code, r in zip(answers, codes, results):
             row = {"id": problem.id, "model": model, "thinking": thinking_of(m), "code": code,
                    "passed": r.passed, "total": r.total}
