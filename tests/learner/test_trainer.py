@@ -444,6 +444,19 @@ def test_lora_sync_merges_the_adapter(tmp_path):
     assert torch.allclose(m.state_dict()[q], merged[q], atol=1e-6)
 
 
+def test_lora_syncs_leave_the_frozen_base_weights_exactly_as_they_were_in_bf16():
+    """PEFT's merge_adapter/unmerge_adapter in place, in bf16, moved the base weights at every sync."""
+    tr = make_trainer("learner.lora.enabled=true", "learner.lora.r=4", "learner.dtype=bfloat16", "learner.lr=2e-2")
+    q = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    frozen = tr.module.state_dict()[q].clone()
+    assert frozen.dtype == torch.bfloat16
+    for i in range(3):
+        tr.train_step(batch(20 + i))
+        merged = dict(tr.export_state())
+    assert torch.equal(tr.module.state_dict()[q], frozen)
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], frozen)  # the adapter is in the export
+
+
 def test_time_budget_stops_before_a_step_that_would_overrun_it():
     from toolrl.learner.schedules import out_of_time
 
