@@ -74,6 +74,22 @@ def test_grants_over_http_end_with_uploads_versions_and_workers_leaving():
         asyncio.run(go())
 
 
+def test_a_worker_that_restarts_under_its_id_gets_the_room_its_earlier_run_held():
+    """Its groups died with the earlier process; their grants held the bound for grant_lease_s and
+    every worker waited (found in review)."""
+    cfg = config(max_staleness=1, _extra=["learner.batch_samples=4"])  # limit 8
+    with serve(create_app(cfg)) as url:
+        async def go():
+            async with AsyncRefServerClient(url) as c:
+                await c.register("w1", "http://127.0.0.1:1")
+                assert (await c.grant("w1", 4))[0] and (await c.grant("w1", 4))[0]
+                assert await c.grant("w1", 4) == (False, None)
+                await c.register("w1", "http://127.0.0.1:1")  # the same id, restarted within worker_ttl_s
+                assert (await c.stats())["flow"]["in_flight"] == 0
+                assert (await c.grant("w1", 4))[0]
+        asyncio.run(go())
+
+
 def test_flow_control_off_grants_everything():
     cfg = config(flow_control="false", _extra=["learner.batch_samples=1"])
     with serve(create_app(cfg)) as url:

@@ -329,10 +329,17 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
 
     @app.post("/workers", dependencies=auth)
     async def register(body: RegisterBody):
+        registry.expire()
+        again = body.id in registry  # a live worker registers only once forgotten: this is a restart
         try:
             w = registry.register(body.id, body.url, body.capabilities, body.policy_version)
         except RegistryError as exc:
             raise HTTPException(status_code=exc.status, detail=str(exc)) from None
+        if again and grants is not None and (n := grants.release_worker(body.id)):
+            # the earlier incarnation's groups died with it: their grants would hold room for
+            # grant_lease_s, stalling every worker when they filled the bound
+            log.info("worker %s registered again: released the %d grants of its earlier run", body.id, n)
+            queue.notify()
         log.info("worker %s registered at %s (policy v%d)", w.id, w.url, w.policy_version)
         return {**w.public(time.monotonic()), "ttl_s": rs.worker_ttl_s,
                 "learner_version": queue.core.learner_version, "training_over": finished[0],

@@ -198,12 +198,14 @@ class AsyncRefServerClient:
                               policy_version: Callable[[], int], interval_s: float = 5.0,
                               state: Callable[[], dict[str, Any] | None] | None = None,
                               on_resume: Callable[[dict[str, Any]], None] | None = None,
-                              on_training_over: Callable[[bool], None] | None = None) -> None:
+                              on_training_over: Callable[[bool], None] | None = None,
+                              registered: bool = False) -> None:
         """Register, then heartbeat every `interval_s` and re-register when forgotten. Runs until cancelled;
         server trouble is logged and retried, never raised. `state()` is sent with every heartbeat;
         `on_resume(state)` gets the resume state an answer carries, `on_training_over(over)` whether
-        the learner has finished (`finish`) (their errors are logged, not raised)."""
-        registered = False
+        the learner has finished (`finish`) (their errors are logged, not raised). `registered`: the
+        caller has just registered, so heartbeats come first (registering a live id again means a
+        restarted worker to the server, which releases that id's flow-control grants)."""
         while True:
             try:
                 if not registered:

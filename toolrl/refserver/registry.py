@@ -104,6 +104,9 @@ class WorkerRegistry:
         self.registered_total = 0
         self.expired_total = 0
 
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
     def register(self, worker_id: str, url: str, capabilities: dict[str, Any] | None = None,
                  policy_version: int = 0) -> Worker:
         capabilities = capabilities or {}
