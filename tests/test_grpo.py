@@ -111,6 +111,14 @@ def test_tis_caps_stale_weights():
     assert m["ratio_max"].item() == pytest.approx(math.exp(0.5))
 
 
+def test_a_term_without_tokens_reports_no_ratio_range():
+    """±inf, which the learner's step metrics leave out; a finite placeholder (±3.4e38) leaked into them."""
+    logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
+    _, m = grpo_loss(logp, torch.tensor(BEHAV, dtype=torch.float64), torch.tensor(ADV, dtype=torch.float64),
+                     torch.zeros_like(torch.tensor(MASK)), GRPOConfig(), BatchCounts(2, 5))
+    assert m["ratio_max"].item() == -math.inf and m["ratio_min"].item() == math.inf
+
+
 def test_micro_batches_add_up_to_full_batch():
     cfg = GRPOConfig(loss_type="token", beta=0.1)
     full = run(cfg, True)[1].item()

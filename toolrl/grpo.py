@@ -295,9 +295,9 @@ def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torc
         r = torch.exp(logp.detach() - behaviour_logp)
         metrics["clip_sum"] = masked_sum(held.to(logp.dtype), mask)
         metrics["ratio_sum"] = masked_sum(r, mask)
-        big = torch.finfo(r.dtype).max
-        metrics["ratio_max"] = torch.where(mask > 0, r, torch.full_like(r, -big)).max()
-        metrics["ratio_min"] = torch.where(mask > 0, r, torch.full_like(r, big)).min()
+        # no token of the term: ±inf, which the learner's step metrics leave out (never a ±3.4e38)
+        metrics["ratio_max"] = torch.where(mask > 0, r, torch.full_like(r, -math.inf)).max()
+        metrics["ratio_min"] = torch.where(mask > 0, r, torch.full_like(r, math.inf)).min()
         metrics["tokens"] = mask.sum()
     return loss, metrics
 

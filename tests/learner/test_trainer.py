@@ -131,6 +131,11 @@ def test_a_nonfinite_last_micro_batch_is_skipped_and_the_rest_of_the_step_applie
         assert n1 == n2 and torch.equal(p1, p2)
 
 
+def test_a_grad_norm_deepspeed_did_not_measure_is_nan_not_zero():
+    m = make_trainer("learner.zero_stage=0").train_step(batch(9))  # ZeRO-0 in fp32: not measured
+    assert m["step_applied"] == 1.0 and math.isnan(m["grad_norm"])
+
+
 def test_resume_reproduces_the_next_step(tmp_path):
     a = make_trainer()
     a.train_step(batch(5))

@@ -355,7 +355,8 @@ class Trainer:
             "mis_masked_tokens": sums.get("mis_masked_tokens", 0.0),
             "ratio_max": sums["ratio_max"] if sums["ratio_max"] > -math.inf else 1.0,
             "ratio_min": sums["ratio_min"] if sums["ratio_min"] < math.inf else 1.0,
-            "grad_norm": float(self.engine.get_global_grad_norm() or 0.0) if applied else float("nan"),
+            # DeepSpeed measures it under ZeRO-1/2/3 and fp16/bf16 only: NaN where it did not, never 0
+            "grad_norm": _or_nan(self.engine.get_global_grad_norm()) if applied else float("nan"),
             "lr": self.lr(),
             "micro_batches": done["micro"],
             "skipped_micro_batches": done["skipped_micro"],
@@ -471,3 +472,7 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+def _or_nan(v) -> float:
+    return float("nan") if v is None else float(v)
