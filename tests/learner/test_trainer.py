@@ -288,7 +288,11 @@ def test_the_lr_schedule_warms_up_then_decays_per_learner_step():
     assert [four(s) for s in range(9)] == pytest.approx([0.5] * 4 + [1.0] * 5)
     tr = make_trainer("learner.steps=10", "learner.warmup_steps=2", "grpo.updates_per_batch=2")
     lrs = [tr.train_step(batch(30 + i))["lr"] for i in range(3)]
-    assert lrs == pytest.approx([2e-3, 2e-3, 2e-3])  # the LR after each batch's last update: step 1 of warmup done
+    assert lrs == pytest.approx([1e-3, 2e-3, 2e-3])  # the LR each batch trained at: warmup 1/2, then 2/2
+    # a batch of one group makes one mini-batch, not grpo.mini_batches: the schedule still counts batches
+    tr = make_trainer("learner.steps=10", "learner.warmup_steps=4", "grpo.mini_batches=2")
+    lrs = [tr.train_step(batch(40 + i, n_groups=1))["lr"] for i in range(4)]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1.5e-3, 2e-3])
 
 
 def test_a_step_raises_positive_advantage_tokens_and_lowers_negative_ones():

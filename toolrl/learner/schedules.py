@@ -8,9 +8,13 @@ from typing import Callable
 from toolrl.config import Config
 
 
-def lr_lambda(cfg: Config, time_used: Callable[[], float] = lambda: 0.0):
-    """The LR factor at an optimizer step. Warmup and decay count learner steps (batches); a batch
-    takes updates_per_batch * mini_batches optimizer steps, all at its learner step's LR. With
+def lr_lambda(cfg: Config, time_used: Callable[[], float] = lambda: 0.0,
+              learner_step: Callable[[], int] | None = None):
+    """The LR factor at an optimizer step. Warmup and decay count learner steps (batches), every
+    optimizer step of a batch at its learner step's LR. `learner_step()`: the batch's step, read
+    from the trainer (a batch may take fewer than updates_per_batch * mini_batches optimizer steps:
+    one group, dynamic sampling, a skipped step; counting optimizer steps would put warmup and decay
+    behind); without it, optimizer steps / (updates_per_batch * mini_batches). With
     learner.lr_decay_over "time", the decay's progress is at least `time_used()`, the fraction of
     the time budget used when the batch's step began."""
     warm, total, kind = cfg.learner.warmup_steps, max(1, cfg.learner.steps), cfg.learner.lr_schedule
@@ -18,7 +22,7 @@ def lr_lambda(cfg: Config, time_used: Callable[[], float] = lambda: 0.0):
     by_time = cfg.learner.lr_decay_over == "time"
 
     def f(opt_step: int) -> float:
-        step = opt_step // per_batch
+        step = learner_step() if learner_step is not None else opt_step // per_batch
         if warm and step < warm:
             return (step + 1) / warm
         if kind == "constant":

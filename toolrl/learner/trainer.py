@@ -65,7 +65,8 @@ class Trainer:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=lc.lr, weight_decay=lc.weight_decay, betas=(0.9, 0.999), eps=1e-8)
         self.time_used = 0.0  # of learner.time_budget_s, for lr_decay_over "time" (set_time_used)
-        self._lr_factor = lr_lambda(cfg, lambda: self.time_used)
+        self.step = 0  # learner steps (batches) done: the LR schedule counts them
+        self._lr_factor = lr_lambda(cfg, lambda: self.time_used, lambda: self.step)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
         ds_config = {
             "train_micro_batch_size_per_gpu": 1,
@@ -85,7 +86,6 @@ class Trainer:
         deepspeed.init_distributed(auto_mpi_discovery=False)  # env://, as exported above; no MPI guessing
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-        self.step = 0
         self.version = 0
         self._old: dict | None = None  # pi_old by sample, while a batch of several steps is trained
         self.samples_seen = 0
@@ -130,6 +130,10 @@ class Trainer:
         ranks' largest). The coming step's LR follows it at once, and the scheduler's own steps
         after each optimizer step see the same value."""
         self.time_used = self._all_reduce(fraction, "max")
+        self._apply_lr()
+
+    def _apply_lr(self) -> None:
+        """The LR of the coming step, at once (the scheduler's own steps follow each optimizer step)."""
         factor = self._lr_factor(self.scheduler.last_epoch)
         for group, base in zip(self.scheduler.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * factor
@@ -157,6 +161,7 @@ class Trainer:
         g = self.cfg.grpo
         self.weights = {"grpo": g.w_grpo, "teacher": g.w_teacher if w_teacher is None else w_teacher, "self": g.w_self}
         t0 = time.time()
+        self._apply_lr()  # this batch's step, whatever number of optimizer steps the last one took
         self.engine.train()
         # Each sample's roles, kept by identity across the length sort.
         roles = {id(s): r for s, r in zip(samples, sample_roles(samples, self.weights["self"] > 0))}
