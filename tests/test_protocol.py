@@ -101,6 +101,18 @@ def test_masked_logprobs_stay_null_and_floats_exact():
     assert back[0].advantage == 0.7 and back[1].completion_ids == []
 
 
+def test_lengths_and_counts_are_refused_from_the_tensors_before_any_list_is_built(monkeypatch):
+    """A 60 MB upload of 16M tokens is legal on the wire; as Python lists it took ~0.9 GB before the
+    length check refused it. The bounds now apply to the offsets first."""
+    payload = encode_samples(_example())  # 7 and 1 tokens
+    assert len(decode_samples(payload, max_tokens=7, max_samples=2)[0]) == 2
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("tolist before the bounds"))
+    with pytest.raises(CorruptPayload, match="sample 0: 7 tokens, over the model's 6 positions"):
+        decode_samples(payload, max_tokens=6)
+    with pytest.raises(PayloadTooLarge, match="2 samples, over the limit of 1"):
+        decode_samples(payload, max_samples=1)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=512))
 def test_random_bytes_rejected(blob):

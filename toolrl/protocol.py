@@ -322,18 +322,26 @@ _SAMPLE_TENSORS = {"prompt_ids": torch.int32, "prompt_offsets": torch.int64, "co
                    "completion_offsets": torch.int64, "loss_mask": torch.uint8, "logprobs": torch.float32}
 
 
-def _split(flat: torch.Tensor, offsets: torch.Tensor, name: str) -> list[list]:
+def _lengths(flat: torch.Tensor, offsets: torch.Tensor, name: str) -> torch.Tensor:
+    """Each sample's entry count, from offsets checked to partition `flat` (tensor ops only)."""
     if offsets.ndim != 1 or flat.ndim != 1:
         raise CorruptPayload(f"{name} must be one-dimensional")
-    off = offsets.tolist()
-    if not off or off[0] != 0 or off[-1] != flat.numel() or any(b < a for a, b in zip(off, off[1:])):
+    if offsets.numel() == 0 or offsets[0] != 0 or offsets[-1] != flat.numel() or bool((offsets.diff() < 0).any()):
         raise CorruptPayload(f"{name} offsets do not partition its {flat.numel()} entries")
-    values = flat.tolist()
+    return offsets.diff()
+
+
+def _split(flat: torch.Tensor, offsets: torch.Tensor, name: str) -> list[list]:
+    _lengths(flat, offsets, name)
+    off, values = offsets.tolist(), flat.tolist()
     return [values[a:b] for a, b in zip(off, off[1:])]
 
 
-def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES) -> tuple[list[Sample], dict[str, Any]]:
-    """Payload -> (samples, extra meta). Raises a WireFormatError subclass on any defect."""
+def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES, max_tokens: int | None = None,
+                   max_samples: int | None = None) -> tuple[list[Sample], dict[str, Any]]:
+    """Payload -> (samples, extra meta). Raises a WireFormatError subclass on any defect. With
+    `max_tokens` (a sample's prompt + completion) and `max_samples`, a payload over either is
+    refused from its tensors, before its tokens become Python lists (about 15x their wire size)."""
     meta, t = unpack(data, SCHEMA_SAMPLES, max_bytes)
     for name, dtype in _SAMPLE_TENSORS.items():
         if name not in t:
@@ -346,6 +354,14 @@ def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES) -> tuple[lis
     n = len(rows)
     if t["prompt_offsets"].numel() != n + 1 or t["completion_offsets"].numel() != n + 1:
         raise CorruptPayload(f"offsets do not match the {n} samples in meta")
+    if max_samples is not None and n > max_samples:
+        raise PayloadTooLarge(f"{n} samples, over the limit of {max_samples}")
+    if max_tokens is not None:
+        lengths = (_lengths(t["prompt_ids"], t["prompt_offsets"], "prompt_ids")
+                   + _lengths(t["completion_ids"], t["completion_offsets"], "completion_ids"))
+        if bool((lengths > max_tokens).any()):
+            i = int((lengths > max_tokens).nonzero()[0])
+            raise CorruptPayload(f"sample {i}: {int(lengths[i])} tokens, over the model's {max_tokens} positions")
     prompts = _split(t["prompt_ids"], t["prompt_offsets"], "prompt_ids")
     comps = _split(t["completion_ids"], t["completion_offsets"], "completion_ids")
     c_off = t["completion_offsets"]

@@ -217,7 +217,8 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         return result
 
     def decode_and_check(body: bytes) -> list[Sample]:
-        samples, _extra = decode_samples(body, rs.max_upload_bytes)
+        samples, _extra = decode_samples(body, rs.max_upload_bytes, max_tokens=reference.max_len,
+                                         max_samples=rs.max_queue_samples)
         reference.validate(samples)
         return samples
 
