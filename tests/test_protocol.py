@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from toolrl.protocol import (
-    CorruptPayload, PayloadTooLarge, Sample, SchemaMismatch, ToolCall, WireFormatError, decode_samples,
+    CorruptPayload, PayloadTooLarge, Sample, SampleTooLong, SchemaMismatch, ToolCall, WireFormatError, decode_samples,
     encode_samples, pack,
 )
 from toolrl.weightsync.buckets import bucketize, decode_weight_bucket, encode_weight_bucket
@@ -107,9 +107,9 @@ def test_lengths_and_counts_are_refused_from_the_tensors_before_any_list_is_buil
     payload = encode_samples(_example())  # 7 and 1 tokens
     assert len(decode_samples(payload, max_tokens=7, max_samples=2)[0]) == 2
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("tolist before the bounds"))
-    with pytest.raises(CorruptPayload, match="sample 0: 7 tokens, over the model's 6 positions"):
+    with pytest.raises(SampleTooLong, match="sample 0: 7 tokens, over the model.s 6 positions"):
         decode_samples(payload, max_tokens=6)
-    with pytest.raises(PayloadTooLarge, match="2 samples, over the limit of 1"):
+    with pytest.raises(PayloadTooLarge, match="a group of 2 samples can never fit the limit of 1"):
         decode_samples(payload, max_samples=1)
 
 

@@ -34,6 +34,14 @@ class WireFormatError(ValueError):
     """A payload that cannot be decoded. Subclasses say why."""
 
 
+class SampleTooLong(WireFormatError):
+    """A sample with more tokens than the receiver takes (decode_samples' max_tokens)."""
+
+    def __init__(self, index: int, tokens: int, limit: int):
+        super().__init__(f"sample {index}: {tokens} tokens, over the model's {limit} positions")
+        self.index, self.tokens, self.limit = index, tokens, limit
+
+
 class PayloadTooLarge(WireFormatError):
     pass
 
@@ -355,13 +363,13 @@ def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES, max_tokens: 
     if t["prompt_offsets"].numel() != n + 1 or t["completion_offsets"].numel() != n + 1:
         raise CorruptPayload(f"offsets do not match the {n} samples in meta")
     if max_samples is not None and n > max_samples:
-        raise PayloadTooLarge(f"{n} samples, over the limit of {max_samples}")
+        raise PayloadTooLarge(f"a group of {n} samples can never fit the limit of {max_samples}")
     if max_tokens is not None:
         lengths = (_lengths(t["prompt_ids"], t["prompt_offsets"], "prompt_ids")
                    + _lengths(t["completion_ids"], t["completion_offsets"], "completion_ids"))
         if bool((lengths > max_tokens).any()):
             i = int((lengths > max_tokens).nonzero()[0])
-            raise CorruptPayload(f"sample {i}: {int(lengths[i])} tokens, over the model's {max_tokens} positions")
+            raise SampleTooLong(i, int(lengths[i]), max_tokens)
     prompts = _split(t["prompt_ids"], t["prompt_offsets"], "prompt_ids")
     comps = _split(t["completion_ids"], t["completion_offsets"], "completion_ids")
     c_off = t["completion_offsets"]

@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from toolrl.config import Config
-from toolrl.protocol import CONTENT_TYPE, PayloadTooLarge, Sample, WireFormatError, decode_samples, encode_samples
+from toolrl.protocol import (CONTENT_TYPE, PayloadTooLarge, Sample, SampleTooLong, WireFormatError, decode_samples,
+                             encode_samples)
 from toolrl.net import ByteBudget, bearer_auth, cap_request_bodies, install_error_handlers, read_body_capped
 from toolrl.refserver import metrics
 from toolrl.refserver.checks import AheadOfLearner, Refused, check_versions
@@ -217,8 +218,11 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         return result
 
     def decode_and_check(body: bytes) -> list[Sample]:
-        samples, _extra = decode_samples(body, rs.max_upload_bytes, max_tokens=reference.max_len,
-                                         max_samples=rs.max_queue_samples)
+        try:
+            samples, _extra = decode_samples(body, rs.max_upload_bytes, max_tokens=reference.max_len,
+                                             max_samples=rs.max_queue_samples)
+        except SampleTooLong as exc:  # as check_sample says it, before any list was built
+            raise Refused(exc.index, "length", f"{exc.tokens} tokens, over the model's {exc.limit} positions") from None
         reference.validate(samples)
         return samples
 
