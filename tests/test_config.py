@@ -161,3 +161,11 @@ def test_tokens_never_reach_a_written_config():
     text = dump_config(cfg)
     assert "secret" not in text and text.count("token: '***'") == 2
     assert redacted(cfg)["ref_server"]["token"] is None and cfg.executor.token == "ex-secret"  # not changed
+
+
+def test_setting_one_key_of_a_mapping_keeps_its_other_keys():
+    """rewards.weights.correct=2 with no file (or a file without rewards.weights) replaced the whole
+    default mapping with {correct: 2}, dropping format and tool."""
+    assert load_config(None, ["rewards.weights.correct=2"]).rewards.weights == {"correct": 2.0, "format": 0.1,
+                                                                              "tool": 0.1}
+    assert load_config(None, ["rewards.weights={correct: 3}"]).rewards.weights == {"correct": 3.0}  # whole: as given

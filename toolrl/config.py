@@ -7,6 +7,7 @@ error that names the key instead of a silently ignored setting.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from pathlib import Path
@@ -579,6 +580,20 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _seed_mapping(tree: dict, defaults: dict, parts: list[str]) -> None:
+    """A mapping field the file does not set starts from its default, so that setting one key of it
+    adds that key (rewards.weights.correct=2 keeps `format` and `tool`) instead of replacing it."""
+    node, default = tree, defaults
+    for part in parts:
+        default = default.get(part) if isinstance(default, dict) else None
+        if not isinstance(node, dict):
+            return
+        if part not in node and isinstance(default, dict) and part == parts[-1]:
+            node[part] = copy.deepcopy(default)
+            return
+        node = node.setdefault(part, {}) if part != parts[-1] else node.get(part)
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     """`a.b=value` -> ("a.b", parsed). Values are YAML scalars: 1e-6, true, null, [a, b]."""
     if "=" not in item:
@@ -629,8 +644,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if os.environ.get(var):
             _set_dotted(tree, f"{section}.token", os.environ[var])
     parsed: dict[str, Any] = {}
+    defaults: dict | None = None
     for item in overrides or []:
         key, value = parse_override(item)
+        if key.count(".") >= 2:  # a key inside a mapping field (rewards.weights.correct=2)
+            defaults = defaults if defaults is not None else Config().model_dump()
+            _seed_mapping(tree, defaults, key.split(".")[:-1])
         _set_dotted(tree, key, value)
         parsed[key] = value
     try:
