@@ -31,3 +31,17 @@ def test_bad_arguments_fail_clearly():
     p = subprocess.run([sys.executable, "evaluate.py", "--model", "tiny-random", "--task", "chess:x"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "unknown task" in p.stderr
+    for flag, value in (("--samples", "0"), ("--n-problems", "0"), ("--ks", "0")):
+        p = subprocess.run([sys.executable, "evaluate.py", "--model", "tiny-random", flag, value], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and f"{flag} 0: must be at least 1" in p.stderr, p.stderr[-500:]
+
+
+def test_what_the_command_line_leaves_out_comes_from_the_configs_eval_section():
+    """--set eval.samples=0 reaches the count check: evaluate.py reads the eval section (it ignored it)."""
+    p = subprocess.run([sys.executable, "evaluate.py", "--model", "tiny-random", "--set", "eval.n_problems=0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "eval.n_problems" in p.stderr, p.stderr[-500:]  # refused by the config itself
+    p = subprocess.run([sys.executable, "evaluate.py", "--model", "tiny-random", "--set", "eval.task=chess:x"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "unknown task" in p.stderr, p.stderr[-500:]

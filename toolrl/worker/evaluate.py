@@ -124,13 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.splitlines()[0])
     add_config_args(parser)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--task", default="arithmetic")
-    parser.add_argument("--n-problems", type=int, default=64)
-    parser.add_argument("--samples", type=int, default=1, help="samples per problem (pass@k needs k)")
+    parser.add_argument("--task", help="default: the config's eval.task")
+    parser.add_argument("--n-problems", type=int, help="default: the config's eval.n_problems")
+    parser.add_argument("--samples", type=int, help="samples per problem (pass@k needs k); default eval.samples")
     parser.add_argument("--ks", default="1,5,10", help="comma-separated k for pass@k (k <= samples)")
     parser.add_argument("--temperature", type=float,
                         help="0 = greedy; default eval.temperature, else rollout.temperature")
-    parser.add_argument("--seed", type=int, help="problem seed for generated tasks (default data.eval_seed)")
+    parser.add_argument("--seed", type=int, help="problem seed for generated tasks (default eval.seed, else "
+                                                 "data.eval_seed)")
     parser.add_argument("--out", default="runs/eval.json")
     parser.add_argument("--samples-out", help="also write every rollout (text, rewards) to this jsonl file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -138,9 +139,17 @@ def main(argv: list[str] | None = None) -> None:
     if not args.config:
         args.config = "configs/cpu_demo.yaml"
     cfg = config_from_args(args)
+    # what the command line leaves out comes from the config's eval section, as the learner's evaluations
+    args.task = args.task or cfg.eval.task
+    args.n_problems = cfg.eval.n_problems if args.n_problems is None else args.n_problems
+    args.samples = cfg.eval.samples if args.samples is None else args.samples
+    args.seed = cfg.eval.seed if args.seed is None else args.seed
 
     try:
         ks = sorted({int(k) for k in args.ks.split(",") if k.strip()})
+        for name, v in (("--n-problems", args.n_problems), ("--samples", args.samples), *(("--ks", k) for k in ks)):
+            if v < 1:
+                raise ValueError(f"{name} {v}: must be at least 1")
         model = resolve_run_model(args.model)
         problems = load_task(args.task, args.n_problems, task_seed(cfg.data, args.task, args.seed), cfg.data)
     except (ValueError, DataError, FileNotFoundError) as exc:
