@@ -181,6 +181,9 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(384, ge=1)  # total generated tokens per sample, tool output excluded
     max_total_tokens: int = Field(1024, ge=16)  # prompt + everything appended
+    # One engine request (a segment between tool calls) that has not finished by then is aborted and
+    # its rollout left out as an infrastructure failure (a hung engine never holds a group forever)
+    request_timeout_s: float = Field(900.0, gt=0)
     max_tool_calls: int = Field(3, ge=0)
     max_tool_output_tokens: int = Field(128, ge=8)
     stop_marker: str = STOP_MARKER

