@@ -201,7 +201,7 @@ def _toolrl_harness(program, spec):
             ns["candidate"] = ns[spec["entry_point"]]
         # The tests see the real builtins and modules: a program's `def set(...)`, `def abs(...)` or
         # `math = ...` must not answer for them (the function under test keeps its name)
-        for k in [k for k in ns if k in real_builtins and k != spec.get("entry_point") and k != "__builtins__"]:
+        for k in [k for k in ns if k in real_builtins and k != spec.get("entry_point") and not k.startswith("__")]:
             del ns[k]
         for n, m, _ in snap:
             if n in ns and ns[n] is not m:
