@@ -157,3 +157,18 @@ def test_the_worker_applies_a_resume_state_and_survives_one_that_does_not_fit(ca
         assert "resumed problem stream at level 2, problem 3" in caplog.text
     finally:
         worker.gate.assembler.close()
+
+
+def test_groups_started_before_a_promotion_do_not_count_toward_the_new_levels_window():
+    """Groups still in flight from the easier level finished after a promotion and counted toward the
+    new level's window (found in review). Three in flight, every group right, windows of two."""
+    p = producer("rollout.prompts_per_step=3")
+    p.agent.acc = 1.0
+    starts, counted = [], []
+    draw, curriculum = p.next_problem, p._curriculum
+    p.next_problem = lambda: (starts.append(p.level), draw())[1]
+    p._curriculum = lambda group: (counted.append(p.level), curriculum(group))[1]
+    produce(p, 8)
+    assert starts == [1, 1, 1, 2, 2, 2, 3, 3]
+    # the third group (begun at level 1, done at 2) and the sixth (begun at 2, done at 3) count nowhere
+    assert counted == [1, 1, 2, 2, 3, 3]

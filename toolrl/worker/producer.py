@@ -168,7 +168,7 @@ class Producer:
         """group_size rollouts of one problem, scored, with group advantages and teacher traces.
         None when the group is left out (aborted, or its tests could not be run). `index`: the group's
         place in the stream (from `next_problem`); a problem from elsewhere seeds the teacher by its id."""
-        a, restores = self.agent, self._restores
+        a, restores, level = self.agent, self._restores, self.level
         gid, prompt = a.group_id(problem.id), a.prompt_ids(problem.question)
         key = f"{a.name}:{problem.id if index is None else index}"  # the sampler's seeds (rollout.seeded)
         if a.gate is not None and self.cfg.rollout.interruptible:  # updates cut in; versions per token
@@ -193,7 +193,9 @@ class Producer:
             return None
         group = await asyncio.to_thread(a.score, problem, rolls, gid, version, tests)
         self.stats.count_group(rolls, group)
-        if restores == self._restores:  # else it was drawn at the position a restore replaced
+        # else it was drawn at a position a restore replaced, or before a promotion (an easier
+        # level's group must not count toward the new level's window)
+        if restores == self._restores and level == self.level:
             self._curriculum(group)
         rng = self.teacher_rng(problem.id if index is None else index)
         for k in range(self.cfg.teacher.traces_per_group if self._teacher else 0):
