@@ -2,6 +2,7 @@
 import asyncio
 import time
 
+import httpx
 import pytest
 
 from procs import serve  # tests/ is on sys.path (conftest)
@@ -87,6 +88,41 @@ def test_a_worker_that_restarts_under_its_id_gets_the_room_its_earlier_run_held(
                 await c.register("w1", "http://127.0.0.1:1")  # the same id, restarted within worker_ttl_s
                 assert (await c.stats())["flow"]["in_flight"] == 0
                 assert (await c.grant("w1", 4))[0]
+        asyncio.run(go())
+
+
+class LosesFirstAnswer(httpx.AsyncHTTPTransport):
+    """The request reaches the server, but its first answer to `path` is lost on the way back."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path, self.lost = path, 0
+
+    async def handle_async_request(self, request):
+        r = await super().handle_async_request(request)
+        if request.url.path == self.path and not self.lost:
+            self.lost += 1
+            await r.aclose()
+            raise httpx.ReadTimeout("answer lost", request=request)
+        return r
+
+
+def test_a_grant_retried_after_its_answer_was_lost_is_the_same_grant():
+    """The client retries a read timeout; the server had granted the first try, so a second grant held
+    room nobody would use until its lease ran out (found in review)."""
+    cfg = config(max_staleness=1, _extra=["learner.batch_samples=4"])  # limit 8
+    with serve(create_app(cfg)) as url:
+        async def go():
+            lossy = LosesFirstAnswer("/grants")
+            async with AsyncRefServerClient(url, transport=lossy) as c:
+                await c.register("w1", "http://127.0.0.1:1")
+                ok, gid = await c.grant("w1", 4)
+                assert ok and gid and lossy.lost == 1
+                flow = (await c.stats())["flow"]
+                assert flow["in_flight"] == 4 and flow["granted_total"] == 1
+                assert await c.give_back(gid) and (await c.stats())["flow"]["in_flight"] == 0
+                # a new request (a new id) is a new grant
+                assert (await c.grant("w1", 4))[1] != gid
         asyncio.run(go())
 
 

@@ -113,6 +113,38 @@ def test_a_lease_that_runs_out_goes_back_and_its_late_answer_changes_nothing(mon
     assert stats["queue"]["samples_out"] == 3 and stats["queue"]["dropped_failed"] == 0
 
 
+class LosesFirstAnswer(httpx.HTTPTransport):
+    """The request reaches the server, but its first answer to `path` is lost on the way back."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path, self.lost = path, 0
+
+    def handle_request(self, request):
+        r = super().handle_request(request)
+        if request.url.path == self.path and not self.lost:
+            self.lost += 1
+            r.close()
+            raise httpx.ReadTimeout("answer lost", request=request)
+        return r
+
+
+def test_a_lease_retried_after_its_answer_was_lost_is_the_same_lease(monkeypatch):
+    """The client retries a read timeout; a second lease sent the first one's window nowhere until
+    replica_lease_s ran out, and counted a lease against each of its samples (found in review)."""
+    monkeypatch.setattr(reference_mod, "load_reference_model", no_model)
+    group = [mk(1), mk(2), mk(3)]
+    lossy = LosesFirstAnswer("/reference/lease")
+    with serve(front(replica_lease_s=60)) as url, RefServerClient(url, transport=lossy) as c:
+        asyncio.run(_upload(url, group))
+        lease_id, samples = c.lease_window("r", 10**6, wait_s=5)
+        assert lossy.lost == 1 and [s.sample_id for s in samples] == [s.sample_id for s in group]
+        assert c.stats()["reference"]["leases_out"] == 1
+        assert c.answer_lease(lease_id, marks(samples), compute_s=0.1) == {"completed": 3, "failed": 0}
+        got = c.get_batch(10, 10**6, wait_s=5)
+    assert [s.ref_logprobs for s in got] == marks(group)
+
+
 WRONG = {
     "too few samples": lambda rows: encode_ref_logprobs(rows[:1]),
     "a logprob short": lambda rows: encode_ref_logprobs([rows[0], rows[1][:-1]]),

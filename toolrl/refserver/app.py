@@ -94,6 +94,7 @@ class GrantBody(BaseModel):
     worker_id: str = Field(min_length=1, max_length=128)
     n: int = Field(ge=1, le=1 << 16)  # one group's samples
     wait_s: float = Field(0.0, ge=0, le=MAX_GRANT_WAIT_S)
+    request_id: str | None = Field(None, min_length=1, max_length=128)  # a retry gets the first answer's grant
 
 
 def _busy(detail: str) -> HTTPException:
@@ -396,7 +397,8 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         def answered() -> bool:  # room for the group, or the learner finished while we waited
             if finished[0]:
                 return True
-            got[0] = grants.take(body.worker_id, body.n, core.samples, core.delivered_since_version)
+            got[0] = grants.take(body.worker_id, body.n, core.samples, core.delivered_since_version,
+                                 body.request_id)
             return got[0] is not None
         if not await queue.wait_until(answered, body.wait_s) or finished[0]:
             room_left = 0 if finished[0] else grants.capacity(core.samples, core.delivered_since_version)

@@ -3,8 +3,9 @@
 Transient trouble (connection errors, 408/502/503/504, a full queue) is retried with backoff inside a
 bounded time; a request the server rejects for its content (400, 401, 413, 422) raises
 `RefServerError` at once, since retrying cannot help. Retries are safe: uploads carry an
-`X-Upload-Id` and batch requests a `request_id`, so the server answers a retry with the first
-answer instead of taking a group twice or losing a batch whose response was lost.
+`X-Upload-Id`, and batch, grant and lease requests a `request_id`, so the server answers a retry
+with the first answer instead of taking a group twice, losing a batch whose response was lost, or
+holding a second grant or lease.
 """
 from __future__ import annotations
 
@@ -98,11 +99,12 @@ class AsyncRefServerClient:
     """For the gen worker (asyncio). `max_wait_s` bounds how long `upload` keeps retrying."""
 
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0, max_wait_s: float = 1800.0,
-                 upload_wait_s: float = 10.0, retries: int = 4):
+                 upload_wait_s: float = 10.0, retries: int = 4, transport: httpx.AsyncBaseTransport | None = None):
         self.url, self.timeout_s, self.max_wait_s, self.retries = url.rstrip("/"), timeout_s, max_wait_s, retries
         self.upload_wait_s = upload_wait_s  # asks the server to hold a full-queue upload this long
         self.policy = RetryPolicy(retries=retries, cap_s=5.0)
-        self._http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(token), timeout=timeout_s)
+        self._http = httpx.AsyncClient(base_url=self.url, headers=auth_headers(token), timeout=timeout_s,
+                                       transport=transport)
         self.upload_waits = 0  # 503s seen by upload: how often backpressure made us wait
 
     async def upload(self, samples: list[Sample], *, max_wait_s: float | None = None,
@@ -180,9 +182,10 @@ class AsyncRefServerClient:
         """Flow control (toolrl.refserver.flow): may this worker start a group of `n` samples now?
         Waits up to `wait_s` on the server for room. (True, grant id) when it may; the id is None when
         the server does no flow control. (False, None) when there is no room yet."""
-        r = await self._request("POST", "/grants", ok=(200, 204), json={"worker_id": worker_id, "n": n,
-                                                                          "wait_s": wait_s},
-                                timeout=self.timeout_s + wait_s)
+        # request_id: a retry after a lost answer gets the grant the first try took, not a second one
+        r = await self._request("POST", "/grants", ok=(200, 204), timeout=self.timeout_s + wait_s,
+                                json={"worker_id": worker_id, "n": n, "wait_s": wait_s,
+                                      "request_id": uuid.uuid4().hex})
         return (True, r.json().get("grant_id")) if r.status_code == 200 else (False, None)
 
     async def give_back(self, grant_id: str) -> bool:
@@ -255,9 +258,11 @@ class RefServerClient:
     (plus the batch or lease wait) and `retries` retries of transient failures, then raises
     RefServerUnavailable."""
 
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0, retries: int = 4):
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0, retries: int = 4,
+                 transport: httpx.BaseTransport | None = None):
         self.url, self.timeout_s, self.retries = url.rstrip("/"), timeout_s, retries
-        self._http = httpx.Client(base_url=self.url, headers=auth_headers(token), timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.url, headers=auth_headers(token), timeout=timeout_s,
+                                  transport=transport)
         self.policy = RetryPolicy(retries=retries, cap_s=5.0)
         self.last_batch_meta: dict[str, Any] = {}  # the server's notes on the last batch (versions, timings)
         self.version: int | None = None  # the last version set: batch requests repeat it (a restarted server learns it)
@@ -317,7 +322,8 @@ class RefServerClient:
         """A reference replica's next window: (lease id, its samples, tokens only), or None if nothing
         was pending within `wait_s` (toolrl.refserver.replicas)."""
         r = self._request("POST", "/reference/lease", ok=(200, 204), timeout=self.timeout_s + wait_s,
-                          json={"replica_id": replica_id, "max_tokens": max_tokens, "wait_s": wait_s})
+                          json={"replica_id": replica_id, "max_tokens": max_tokens, "wait_s": wait_s,
+                                "request_id": uuid.uuid4().hex})  # a retry gets the lease the first try took
         if r.status_code == 204:
             return None
         samples, extra = decode_samples(r.content, max_bytes=max(len(r.content), 1))

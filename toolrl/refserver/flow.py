@@ -31,6 +31,7 @@ class Grant:
     worker_id: str
     n: int
     expires: float
+    request_id: str | None = None
 
 
 class Grants:
@@ -39,6 +40,7 @@ class Grants:
         self.limit = (max_staleness + 1) * samples_per_version
         self.lease_s, self.clock = lease_s, clock
         self._held: dict[str, Grant] = {}
+        self._by_request: dict[str, str] = {}  # a held grant's request id -> its grant id
         self.in_flight = 0
         self.granted_total = self.refused_total = self.released_total = self.expired_total = 0
 
@@ -47,15 +49,24 @@ class Grants:
         self.expire()
         return self.limit - delivered_since_version - queued - self.in_flight
 
-    def take(self, worker_id: str, n: int, queued: int, delivered_since_version: int) -> str | None:
-        """A grant id for `n` samples, or None when they do not fit now."""
+    def take(self, worker_id: str, n: int, queued: int, delivered_since_version: int,
+             request_id: str | None = None) -> str | None:
+        """A grant id for `n` samples, or None when they do not fit now. A request repeated under the
+        same `request_id` (a client retrying after its answer was lost) gets the grant it already
+        holds, not a second one that would hold room until its lease ran out."""
         if n < 1:
             raise ValueError(f"a grant is for at least one sample, not {n}")
+        if request_id is not None and (gid := self._by_request.get(request_id)) is not None:
+            g = self._held[gid]
+            if (g.worker_id, g.n) == (worker_id, n):
+                return gid
         if self.capacity(queued, delivered_since_version) < 1:  # any room: see the module's doc
             self.refused_total += 1
             return None
         gid = secrets.token_hex(8)
-        self._held[gid] = Grant(worker_id, n, self.clock() + self.lease_s)
+        self._held[gid] = Grant(worker_id, n, self.clock() + self.lease_s, request_id)
+        if request_id is not None:
+            self._by_request[request_id] = gid
         self.in_flight += n
         self.granted_total += 1
         return gid
@@ -64,6 +75,8 @@ class Grants:
         g = self._held.pop(grant_id, None)
         if g is None:
             return False
+        if g.request_id is not None:
+            self._by_request.pop(g.request_id, None)
         self.in_flight -= g.n
         self.released_total += 1
         return True

@@ -45,6 +45,7 @@ class LeaseBody(BaseModel):
     replica_id: str = Field(min_length=1, max_length=128)
     max_tokens: int = Field(ge=1)
     wait_s: float = Field(0.0, ge=0, le=MAX_LEASE_WAIT_S)
+    request_id: str | None = Field(None, min_length=1, max_length=128)  # a retry gets the first answer's lease
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Lease:
     replica: str
     entries: list[Entry]
     deadline: float
+    request_id: str | None = None
 
 
 class Leases:
@@ -61,6 +63,7 @@ class Leases:
     def __init__(self, queue: AsyncSampleQueue, reference: Reference, lease_s: float, log: logging.Logger):
         self.queue, self.reference, self.lease_s, self.log = queue, reference, lease_s, log
         self.active: dict[str, Lease] = {}
+        self._by_request: dict[str, str] = {}  # an active lease's request id -> its lease id
         self.replicas: dict[str, dict] = {}
         self.expired = self.refused = self.late = 0
 
@@ -73,22 +76,43 @@ class Leases:
         r["last_seen"] = time.monotonic()
         return r
 
-    async def take(self, replica_id: str, max_tokens: int, wait_s: float) -> Lease | None:
+    async def take(self, replica_id: str, max_tokens: int, wait_s: float,
+                   request_id: str | None = None) -> Lease | None:
+        """The next window on lease. A request repeated under the same `request_id` (its answer was
+        lost) gets the lease it already holds: a second one would leave the first's window idle until
+        its lease ran out, and count a lease against each of its samples."""
         self._replica(replica_id)
+        if (held := self._held(request_id, replica_id)) is not None:
+            return held
         window = await self.queue.take_window(max_tokens, wait_s)
         if not window:
             return None
+        if (held := self._held(request_id, replica_id)) is not None:  # the first try took one meanwhile
+            self.queue.requeue(window)
+            return held
         for e in window:
             e.leases += 1
-        lease = Lease(uuid.uuid4().hex, replica_id, window, time.monotonic() + self.lease_s)
+        lease = Lease(uuid.uuid4().hex, replica_id, window, time.monotonic() + self.lease_s, request_id)
         self.active[lease.id] = lease
+        if request_id is not None:
+            self._by_request[request_id] = lease.id
         self._replica(replica_id)["leases"] += 1
+        return lease
+
+    def _held(self, request_id: str | None, replica_id: str) -> Lease | None:
+        lease = self.active.get(self._by_request.get(request_id, "")) if request_id is not None else None
+        return lease if lease is not None and lease.replica == replica_id else None
+
+    def _end(self, lease_id: str) -> Lease:
+        lease = self.active.pop(lease_id)
+        if lease.request_id is not None:
+            self._by_request.pop(lease.request_id, None)
         return lease
 
     def answer(self, lease_id: str, rows: list[list[float] | None], compute_s: float) -> dict:
         """A replica's logprobs for its lease. Raises KeyError for a lease that is not out (expired,
         answered), Refused for a wrong answer (its window goes back to pending)."""
-        lease = self.active.pop(lease_id)
+        lease = self._end(lease_id)
         rep = self._replica(lease.replica)
         try:
             if len(rows) != len(lease.entries):
@@ -111,7 +135,7 @@ class Leases:
 
     def refuse(self, lease_id: str) -> None:
         """An answer that cannot be read: counted, and its window goes back."""
-        self._refuse(self.active.pop(lease_id))
+        self._refuse(self._end(lease_id))
 
     def _refuse(self, lease: Lease) -> None:
         self.refused += 1
@@ -134,7 +158,7 @@ class Leases:
         now = time.monotonic()
         gone = [lease for lease in self.active.values() if lease.deadline <= now]
         for lease in gone:
-            del self.active[lease.id]
+            self._end(lease.id)
             self.expired += 1
             self._replica(lease.replica)["expired"] += 1
             self.log.warning("lease %s of replica %s (%d samples) ran out after %gs: back to pending",
@@ -166,7 +190,7 @@ def router(leases: Leases, cfg: Config) -> APIRouter:
     async def lease(body: LeaseBody):
         if not leases.reference.enabled:
             raise HTTPException(status_code=409, detail="this server needs no reference logprobs (grpo.beta = 0)")
-        got = await leases.take(body.replica_id, body.max_tokens, body.wait_s)
+        got = await leases.take(body.replica_id, body.max_tokens, body.wait_s, body.request_id)
         if got is None:
             return Response(status_code=204)
         # The replica needs the tokens only: leave the text and tool calls behind.
