@@ -121,6 +121,29 @@ def test_full_queue_answers_429_with_retry_after(ex, http):
     assert http.post("/execute", json={"code": "print(1)"}).status_code == 200
 
 
+def test_a_client_that_disconnects_has_its_executions_withdrawn(ex, http):
+    """Its queued and running executions held the queue and the one worker for nobody until they
+    ended (found in review): now they are cancelled when the connection closes."""
+    before = http.get("/health").json()["withdrawn"]
+    clients = []
+
+    def send(code: str) -> None:
+        with httpx.Client(base_url=ex.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=0.5) as h:
+            with pytest.raises(httpx.ReadTimeout):
+                h.post("/execute", json={"code": code, "timeout_s": 8})
+    for _ in range(3):  # one runs, two wait (1 worker)
+        clients.append(threading.Thread(target=send, args=("import time; time.sleep(6)",)))
+        clients[-1].start()
+    for t in clients:
+        t.join()
+    t0 = time.monotonic()
+    r = http.post("/execute", json={"code": "print(1)"})
+    assert r.status_code == 200 and r.json()["stdout"] == "1\n"
+    assert time.monotonic() - t0 < 3  # not behind 3 x 6 s of sleeps nobody waits for
+    health = http.get("/health").json()
+    assert health["withdrawn"] - before == 3 and health["queued"] == 0
+
+
 class CountingTransport(httpx.HTTPTransport):
     def __init__(self):
         super().__init__()

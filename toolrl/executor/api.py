@@ -75,6 +75,7 @@ class HealthResponse(BaseModel):
     uids: dict[str, list[int]]  # [first, last] uid of the slot and session ranges
     forkserver_pid: int | None
     restarts: int
+    withdrawn: int = 0  # executions withdrawn because their client disconnected before the answer
     # how the executor's total memory is bounded: {"mode": "cgroup" | "admission" | "none", "total_mb",
     # "held_mb", ...} (docs/EXECUTOR.md, Isolation)
     memory: dict[str, Any] = Field(default_factory=dict)

@@ -12,6 +12,7 @@ fork server down, every session busy, or no memory for a new session (both with 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -43,6 +44,7 @@ class Executor:
         self.cfg = cfg
         self.forkserver = ForkServerLink(cfg, on_restart=self._on_restart)
         self.sessions = SessionManager(cfg.max_sessions, cfg.session_ttl_s, self._kill_session)
+        self.withdrawn = 0  # executions withdrawn because their client disconnected first
 
     def _kill_session(self, index: int, note: str) -> None:
         self.forkserver.send({"op": "kill_session", "session": index, "note": note})
@@ -136,6 +138,13 @@ def _result(item: dict, reset: str | None) -> ExecResult:
     return ExecResult(**item["result"], session_reset=bool(reset), session_note=note, executor_fault=fault)
 
 
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body is read: the server's next message is that)."""
+    with contextlib.suppress(Exception):  # a receive that fails: the client is as good as gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+
 def _parse(model, body: bytes):
     try:
         return model.model_validate_json(body)
@@ -205,11 +214,30 @@ def create_app(cfg: ExecutorConfig) -> FastAPI:
             creds = HTTPAuthorizationCredentials(scheme=scheme, credentials=credentials)
         await check(creds)
 
+    async def run_for(request: Request, reqs: list[ExecRequest], batch: bool) -> list[ExecResult]:
+        """ex.run, withdrawn if the client disconnects first: its executions would hold queue slots and
+        workers for nobody until they ended (up to their time limit)."""
+        run = asyncio.ensure_future(ex.run(reqs, batch))
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait((run, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not run.done():
+                run.cancel()
+        if not run.done() or run.cancelled():
+            with contextlib.suppress(asyncio.CancelledError, HTTPException):
+                await run
+            ex.withdrawn += len(reqs)
+            log.info("client went away: withdrew %d execution(s)", len(reqs))
+            raise HTTPException(499, "client closed the request")  # nobody reads it
+        return run.result()
+
     # The two hot endpoints are plain Starlette routes (same errors, same JSON), the rest FastAPI.
     async def execute(request: Request) -> Response:
         await authorize(request)
         req = _parse(ExecRequest, await read_body_capped(request, cfg.max_request_bytes, BODY_TIMEOUT_S))
-        [res] = await ex.run([req], batch=False)
+        [res] = await run_for(request, [req], batch=False)
         return Response(res.model_dump_json(), media_type="application/json")
 
     async def execute_batch(request: Request) -> Response:
@@ -218,7 +246,7 @@ def create_app(cfg: ExecutorConfig) -> FastAPI:
         if len(req.items) > cfg.max_queue:
             raise HTTPException(413, f"batch of {len(req.items)} items is over "
                                      f"executor.max_queue={cfg.max_queue}; split it")
-        results = await ex.run(req.items, batch=True) if req.items else []
+        results = await run_for(request, req.items, batch=True) if req.items else []
         return Response(BatchResponse(results=results).model_dump_json(), media_type="application/json")
 
     app.add_route("/execute", execute, methods=["POST"])
@@ -232,6 +260,7 @@ def create_app(cfg: ExecutorConfig) -> FastAPI:
                               max_queue=cfg.max_queue, sessions=len(ex.sessions),
                               isolation=hello.get("isolation", {}), uids=hello.get("uids", {}),
                               forkserver_pid=b.proc.pid if b.proc else None, restarts=b.restarts,
+                              withdrawn=ex.withdrawn,
                               memory=b.memory_status())
         return JSONResponse(body.model_dump(), status_code=200 if b.ready else 503)
 

@@ -214,10 +214,13 @@ class ForkServerLink:
             await asyncio.wait_for(self._writer.drain(), 30)
             done, not_done = await asyncio.wait(futs, timeout=self.cfg.max_wait_s)
             if not_done:
-                self.send({"op": "cancel", "ids": [j["id"] for j, f in zip(jobs, futs) if f in not_done]})
                 raise asyncio.TimeoutError(f"no result within executor.max_wait_s={self.cfg.max_wait_s:g} s")
             return [f.result() for f in futs]
         finally:
+            # timed out, or cancelled (the client went away): withdraw what has no result yet, or it
+            # would run for nobody while its queue slot counts as free again
+            if unfinished := [job["id"] for job, fut in zip(jobs, futs) if not fut.done()]:
+                self.send({"op": "cancel", "ids": unfinished})
             for job, fut in zip(jobs, futs):
                 self._pending.pop(job["id"], None)
                 if not fut.done():
