@@ -144,6 +144,17 @@ def test_a_client_that_disconnects_has_its_executions_withdrawn(ex, http):
     assert health["withdrawn"] - before == 3 and health["queued"] == 0
 
 
+def test_a_session_whose_running_block_was_withdrawn_is_reset_as_the_executors_doing(http, ex):
+    """The withdrawn block is killed with its session; the session's next block must not score the lost
+    state (a NameError here) as the model's: it is marked executor_fault."""
+    assert http.post("/execute", json={"code": "x = 5", "session_id": "gone"}).json()["status"] == "ok"
+    with httpx.Client(base_url=ex.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=0.5) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            h.post("/execute", json={"code": "import time; time.sleep(6)", "session_id": "gone"})
+    r = http.post("/execute", json={"code": "print(x)", "session_id": "gone"}).json()
+    assert r["session_reset"] and r["executor_fault"] and "cancelled while it ran" in r["session_note"]
+
+
 class CountingTransport(httpx.HTTPTransport):
     def __init__(self):
         super().__init__()

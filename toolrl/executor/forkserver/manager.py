@@ -25,6 +25,7 @@ import sys
 import time
 
 from toolrl.executor import ipc
+from toolrl.executor.ipc import executor_caused
 from toolrl.executor.forkserver import zygote
 from toolrl.executor.forkserver.lanes import Lane, LaneFactory
 from toolrl.executor.forkserver.memory_admission import TICK_S, admission_for
@@ -238,6 +239,10 @@ class ForkServer(SessionRunners):
         for p in list(self.procs.values()):
             if p.run and p.run.job["id"] in ids:
                 self.kill_run(p, "killed", "[executor: cancelled]")
+                if p.session is not None:  # its answer goes to nobody: the session's next block says why
+                    self.lost[p.session.index] = executor_caused(
+                        "a block was cancelled while it ran (its client went away or waited past "
+                        "executor.max_wait_s)")
 
     # -- scheduling ------------------------------------------------------------------------------
     def dispatch(self) -> None:
