@@ -175,3 +175,21 @@ def test_a_body_is_read_only_from_a_caller_with_the_token_and_only_within_its_de
         assert got == [2]
     finally:
         server.should_exit = True
+
+
+@pytest.mark.parametrize("header,ok", [
+    ("Bearer s3cret", True), ("bearer s3cret", True), ("BEARER  s3cret ", True), (b"Bearer s3cret", True),
+    ("Bearer s3cre", False), ("Bearer s3cretX", False), ("Basic s3cret", False), ("s3cret", False),
+    ("Bearer", False), ("", False), (None, False), ("Bearer s3cr\xe9t", False)])
+def test_the_one_bearer_check(header, ok):
+    """One parse of the header for the dependency, the body cap and the executor's hot routes."""
+    assert net.bearer_matches(header, "s3cret") is ok
+    assert net.bearer_matches(header, None) is True  # no token set: no auth
+
+
+def test_an_empty_token_is_refused_by_the_config():
+    """"" would lock every caller out of one service and let every caller into another."""
+    from toolrl.config import ConfigError, load_config
+    for section in ("executor", "ref_server", "rollout"):
+        with pytest.raises(ConfigError, match=f"{section}.token"):
+            load_config("configs/cpu_tiny.yaml", [f"{section}.token="])

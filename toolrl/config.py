@@ -85,7 +85,7 @@ class ExecutorConfig(Section):
     url: str = "http://127.0.0.1:8100"
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=1, le=65535)
-    token: str | None = None
+    token: str | None = Field(None, min_length=1)  # bearer token; unset: no auth ("" is refused)
     workers: int = Field(2, ge=1, le=64)  # concurrent executions; one unprivileged uid per slot
     timeout_s: float = Field(5.0, gt=0, le=600)  # default wall-clock limit of one execution
     max_timeout_s: float = Field(60.0, gt=0, le=600)  # the most a request may ask for
@@ -135,7 +135,7 @@ class RefServerConfig(Section):
     url: str = "http://127.0.0.1:8200"
     host: str = "127.0.0.1"
     port: int = Field(8200, ge=1, le=65535)
-    token: str | None = None
+    token: str | None = Field(None, min_length=1)  # bearer token; unset: no auth ("" is refused)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_queue_samples: int = Field(4096, ge=1)
     max_queue_bytes: int = Field(512 << 20, ge=1 << 20)
@@ -168,7 +168,7 @@ class RolloutConfig(Section):
 
     host: str = "127.0.0.1"
     port: int = Field(8300, ge=1, le=65535)
-    token: str | None = None
+    token: str | None = Field(None, min_length=1)  # bearer token; unset: no auth ("" is refused)
     worker_id: str | None = None
     public_url: str | None = None  # the URL the learner uses to reach this worker
     # Hosts the learner sends weights (and this token) to although the reference server takes

@@ -21,22 +21,34 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-_bearer = HTTPBearer(auto_error=False)
+
+def bearer_matches(header: str | bytes | None, token: str | None) -> bool:
+    """Whether an Authorization header value carries `Bearer <token>` (always, with no token set).
+    The one parse of the header, for the dependency, the body cap and the executor's hot routes."""
+    if token is None:
+        return True
+    if not header:
+        return False
+    raw = header if isinstance(header, bytes) else header.encode("latin-1", "replace")
+    scheme, _, credentials = raw.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), token.encode())
+
+
+def require_bearer(request: Request, token: str | None) -> None:
+    """401 unless the request carries `Bearer <token>` (when a token is set)."""
+    if not bearer_matches(request.headers.get("authorization"), token):
+        raise HTTPException(status_code=401, detail="missing or wrong bearer token",
+                            headers={"WWW-Authenticate": "Bearer"})
 
 
 def bearer_auth(token: str | None) -> Callable:
     """A FastAPI dependency that requires `Authorization: Bearer <token>` when a token is set."""
 
-    async def check(creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-        if token is None:
-            return
-        if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
-            raise HTTPException(status_code=401, detail="missing or wrong bearer token",
-                                headers={"WWW-Authenticate": "Bearer"})
+    async def check(request: Request) -> None:
+        require_bearer(request, token)
 
     return check
 
@@ -130,7 +142,7 @@ class BodyCap:
     def __init__(self, app, max_bytes: int, exempt: tuple[str, ...] = (), token: str | None = None,
                  body_timeout_s: float = BODY_TIMEOUT_S):
         self.app, self.max_bytes, self.exempt = app, max_bytes, frozenset(exempt)
-        self.expected = f"Bearer {token}".encode() if token else None
+        self.token = token or None
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
@@ -139,8 +151,7 @@ class BodyCap:
         headers = dict(scope["headers"])
         length = headers.get(b"content-length")
         has_body = b"transfer-encoding" in headers or (length is not None and length not in (b"", b"0"))
-        if has_body and self.expected is not None and not _bearer_matches(headers.get(b"authorization", b""),
-                                                                          self.expected):
+        if has_body and not bearer_matches(headers.get(b"authorization"), self.token):
             return await _refuse(scope, receive, send, 401, "missing or wrong bearer token",
                                  {"WWW-Authenticate": "Bearer"})
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
@@ -177,11 +188,6 @@ class BodyCap:
 
     async def _too_big(self, scope, receive, send, what: str) -> None:
         await _refuse(scope, receive, send, 413, f"{what} is over the limit of {self.max_bytes} bytes")
-
-
-def _bearer_matches(header: bytes, expected: bytes) -> bool:
-    scheme, _, credentials = header.partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(b"Bearer " + credentials.strip(), expected)
 
 
 async def _refuse(scope, receive, send, status: int, detail: str, headers: dict | None = None) -> None:
