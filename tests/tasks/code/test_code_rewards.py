@@ -258,6 +258,19 @@ def test_bad_rows_get_clear_errors(tmp_path):
     bad.write_text(json.dumps({"problem_id": 1, "question": "q", "input_output": "{not json"}) + "\n")
     with pytest.raises(DataError, match="input_output is not valid JSON"):
         load_apps(str(bad))
+    # HumanEval-shaped rows of one's own: a KeyError and a SyntaxError traceback before
+    row = {"task_id": "X/0", "prompt": "def f():\n", "entry_point": "f", "canonical_solution": "    return 1\n"}
+    bad = tmp_path / "he.jsonl"
+    bad.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match="he.jsonl row 1: missing field 'test'"):
+        load_humaneval(str(bad))
+    bad.write_text(json.dumps({**row, "test": "def check(:"}) + "\n")
+    with pytest.raises(DataError, match="test for f is not Python"):
+        load_humaneval(str(bad))
+    bad.write_text(json.dumps({**row, "test": "def check(candidate):\n    assert candidate() == 1\n",
+                               "prompt": 5}) + "\n")
+    with pytest.raises(DataError, match="prompt must be a string"):
+        load_humaneval(str(bad))
 
 
 def test_split_is_seeded_and_per_source():

@@ -18,6 +18,10 @@ def test_bad_teacher_trace_files_get_one_clear_error(tmp_path):
     bad.write_text('{"id": "a", "code": "1"}\n{"id": "b"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not a trace row"):
         load_code_traces(str(bad))
+    for row in ('{"id": "a", "code": null}', '{"id": 7, "code": "x = 1"}', '{"id": "a", "code": "1", "thinking": 3}'):
+        bad.write_text(row + "\n")  # each broke the teacher later, mid-run, with a TypeError
+        with pytest.raises(ValueError, match=r"bad.jsonl:1: not a trace row"):
+            load_code_traces(str(bad))
 
 
 def test_the_teacher_writes_a_collected_trace_else_the_reference_solution(tmp_path):

@@ -35,7 +35,10 @@ def humaneval_path() -> Path:
 def humaneval_tests(test_code: str, entry_point: str, code_prompt: str = "") -> TestSpec:
     """One test per top-level assert in `check`, so the reward can give partial credit. When the
     check does more than assert (loops, helpers), the whole check is one test."""
-    tree = ast.parse(test_code)
+    try:
+        tree = ast.parse(test_code)
+    except SyntaxError as exc:
+        raise DataError(f"HumanEval test for {entry_point} is not Python: {exc.msg} (line {exc.lineno})") from None
     check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
     if check is None:
         raise DataError(f"HumanEval test for {entry_point} has no check()")
@@ -61,11 +64,17 @@ def humaneval_question(prompt: str) -> str:
 
 def load_humaneval(path: str | None = None) -> list[Problem]:
     problems = []
-    for r in read_jsonl(Path(path) if path else humaneval_path()):
-        spec = humaneval_tests(r["test"], r["entry_point"], r["prompt"])
-        problems.append(Problem(id=f"humaneval:{r['task_id']}", question=humaneval_question(r["prompt"]),
-                                answer=spec.to_json(),
-                                program=r["prompt"] + r["canonical_solution"],
+    source = Path(path) if path else humaneval_path()
+    for n, r in enumerate(read_jsonl(source), 1):
+        where = f"{source} row {n}"
+        missing = [k for k in ("task_id", "prompt", "entry_point", "test") if not r.get(k)]
+        if missing:
+            raise DataError(f"{where}: missing field {missing[0]!r}: HumanEval rows have task_id, prompt, "
+                            f"entry_point, canonical_solution, test (has {', '.join(sorted(r))})")
+        task_id, prompt, entry, test = (_str(r, k, where) for k in ("task_id", "prompt", "entry_point", "test"))
+        spec = humaneval_tests(test, entry, prompt)
+        problems.append(Problem(id=f"humaneval:{task_id}", question=humaneval_question(prompt),
+                                answer=spec.to_json(), program=prompt + _str(r, "canonical_solution", where),
                                 meta={"source": "humaneval"}, grading="tests"))
     return problems
 

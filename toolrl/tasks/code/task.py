@@ -34,8 +34,10 @@ def load_code_traces(path: str | None) -> dict[str, list[dict]]:
                 row = json.loads(line)
             except ValueError as exc:
                 raise ValueError(f"teacher.traces_path {path}:{n}: not a trace row: {exc}") from None
-            if not isinstance(row, dict) or not {"id", "code"} <= set(row):
-                raise ValueError(f"teacher.traces_path {path}:{n}: not a trace row (needs id and code)")
+            if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("id", "code")) \
+                    or not isinstance(row.get("thinking") or "", str):
+                raise ValueError(f"teacher.traces_path {path}:{n}: not a trace row (needs id and code, and "
+                                 "optional thinking, as strings)")
             traces.setdefault(row["id"], []).append(row)
     return traces
 
