@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Callable
 
 import httpx
@@ -125,6 +126,25 @@ def install_error_handlers(app: FastAPI, log: logging.Logger) -> None:
 
 
 BODY_TIMEOUT_S = 60.0  # a request body still arriving this long after the request began: 408
+
+
+class BodyStalled(Exception):
+    """A streamed body sent nothing for its idle limit (a sender that hung or vanished without closing)."""
+
+
+async def idle_bounded(chunks: AsyncIterator[bytes], idle_s: float) -> AsyncIterator[bytes]:
+    """`chunks` (a streamed body), raising BodyStalled when the next chunk takes more than `idle_s`. For
+    bodies too large for one deadline (weight buckets under an egress limit): without it, a sender
+    whose host vanished (no FIN) held the request, its buffer and its update for good."""
+    it = chunks.__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(it.__anext__(), idle_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise BodyStalled(f"no body bytes for {idle_s:g} s") from None
+        yield chunk
 
 
 class BodyCap:

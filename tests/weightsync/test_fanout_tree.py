@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from standin_pool import assert_exact, loaded, running
+from standin_pool import BUCKET_WAIT_S, assert_exact, loaded, running
 from toolrl.config import load_config
 from toolrl.net import auth_headers
 from toolrl.protocol import CONTENT_TYPE
@@ -268,3 +268,27 @@ def test_a_worker_whose_own_load_fails_still_reports_its_subtree(pool, tmp_path)
     assert {k: v["loaded"] for k, v in answer["tree"].items()} == {"w5": True, "w6": True}
     assert_exact([pool.worker(5), pool.worker(6)], named, version)
     gate.assembler.close()
+
+
+def test_a_sender_that_stalls_mid_bucket_is_answered_408_and_the_update_dropped(pool):
+    """A learner whose host vanished (no FIN) held the request, its update and its buffer for good:
+    each gap in a bucket's body is bounded by the sync timeout (found in review)."""
+    import socket
+    w = pool.worker(4)
+    version = next(VERSIONS)
+    body = _bodies(_named(version), version)[0]
+    host, port = w["url"].removeprefix("http://").split(":")
+    head = (f"POST /update_weights HTTP/1.1\r\nHost: {host}\r\nContent-Type: {CONTENT_TYPE}\r\n"
+            f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(head + body[:len(body) // 2])  # then nothing, the connection left open
+        t0 = time.monotonic()
+        s.settimeout(3 * BUCKET_WAIT_S)
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 408") and b"no body bytes for" in answer, answer[:200]
+    assert time.monotonic() - t0 < 2 * BUCKET_WAIT_S
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{w['url']}/health", timeout=5).json()["update_phase"] is not None:
+        assert time.monotonic() < deadline, "the stalled update was never dropped"
+        time.sleep(0.2)
+    assert loaded(w)["version"] < version

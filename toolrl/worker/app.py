@@ -18,7 +18,7 @@ from toolrl.weightsync.fanout import PLAN_HEADER, PlanError, parse_plan
 from toolrl.weightsync.relay import heartbeats
 from toolrl.weightsync.transport import BucketOrderError, UpdateAborted
 from toolrl.worker.agent import EvaluationUnscored
-from toolrl.net import bearer_auth, cap_request_bodies, install_error_handlers
+from toolrl.net import BodyStalled, bearer_auth, cap_request_bodies, idle_bounded, install_error_handlers
 
 MAX_JSON_BYTES = 4 << 20  # the JSON routes' bodies (a probe's prompt ids are the largest)
 
@@ -134,7 +134,9 @@ def build_app(worker) -> FastAPI:
         except PlanError as exc:  # refused before a byte of the body is read
             raise HTTPException(status_code=400, detail=f"bad fan-out plan: {exc}") from None
         try:
-            answer = await worker.gate.receive_bucket(request.stream(), plan)
+            # the sender's own per-request timeout bounds each gap: a vanished sender frees the update
+            chunks = idle_bounded(request.stream(), worker.cfg.learner.sync_timeout_s)
+            answer = await worker.gate.receive_bucket(chunks, plan)
         except Exception as exc:
             status, detail = _bucket_failure(exc)
             if getattr(exc, "need_full", False):  # a delta refused or not applied: the sender sends it all
@@ -153,6 +155,9 @@ def build_app(worker) -> FastAPI:
             return 400, f"bad weight bucket: {exc}"
         if isinstance(exc, (BucketOrderError, UpdateAborted)):
             return 409, str(exc)
+        if isinstance(exc, BodyStalled):
+            log.warning("weight update: %s mid-bucket; the update is dropped", exc)
+            return 408, f"{exc}: the update is dropped"
         if isinstance(exc, ClientDisconnect):
             log.warning("weight update: the sender went away mid-bucket")
             return 400, "body ended early"
