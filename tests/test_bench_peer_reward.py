@@ -26,7 +26,8 @@ CASES = [
     ("<think>\nx\n</think> and then <answer>\\boxed{1728}</answer>", "1728"),  # text between the blocks
     ("<think>\nx\n</think>\n<answer>\\boxed{1728}</answer>\nMore text.", "1728"),  # text after
     ("<think>\nx\n</think>\n<answer>\\boxed{12}</answer><answer>\\boxed{1728}</answer>", "1728"),
-    ("<think>\nx\n</think>\n<answer>\\boxed{\\frac{3456}{2}}</answer>", "1728"),
+    ("<think>\nx\n</think>\n<answer>\\boxed{\\frac{3456}{2}}</answer>", "1728"),  # a calculation: 0
+    ("<think>\nx\n</think>\n<answer>\\boxed{48 \\times 36}</answer>", "1728"),
     ("<think>\nx\n</think>\n<answer>\\boxed{}</answer>", "1728"),
     ("<think>\nx\n</think>\n<answer>\\boxed{-5}</answer>", "-5"),
     ("", "1728"),

@@ -24,7 +24,9 @@ taught, the layout rollouts produce and the layout rewards parse agree.
 """
 from __future__ import annotations
 
+import math
 import re
+from fractions import Fraction
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -83,6 +85,52 @@ def extract_answer(final_text: str) -> str | None:
     if not blocks:
         return None
     return last_boxed(blocks[-1])
+
+
+# Numbers as answers
+
+_UNITS = re.compile(r"\\(?:text|mathrm|textbf|mbox)\{[^{}\d]*\}")  # \text{ pages}: words, no digits
+_TEXT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}")
+_WORDS = re.compile(r"[A-Za-z]+\.?$")  # 260 pages
+_DECORATION = re.compile(r"\\[,!;: ]|\\?\$|\\?%|~|\s")  # thin spaces, dollars, percent, spaces
+_DECIMAL = re.compile(r"[+-]?\d+(?:\.\d+)?\.?")
+_FRACTION = re.compile(r"[+-]?(?:\\[dt]?frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+))")
+
+
+def _bare(s: str) -> str:
+    """`s` without what does not change a number: units in words, currency and percent signs,
+    spaces and thousands separators."""
+    s = _TEXT.sub(r"\1", _UNITS.sub("", s))  # \text{260} is 260
+    return _WORDS.sub("", _DECORATION.sub("", s).replace(",", "").replace("{}", ""))
+
+
+def number_value(text: str) -> Fraction | None:
+    """The value of a number as written (a decimal, or a fraction in lowest terms), else None: a
+    calculation such as `13 * 20` or `\\frac{3572}{2}` is not a number. Where the ground truth is a
+    plain number (arithmetic, GSM8K) only a number can be correct: math-verify would evaluate the
+    calculation, so boxing the question's numbers with the operation earned full reward with no
+    arithmetic done and no tool used."""
+    bare = _bare(text)
+    if _DECIMAL.fullmatch(bare):
+        return Fraction(bare.rstrip("."))
+    m = _FRACTION.fullmatch(bare)
+    if m is None:
+        return None
+    num, den = (int(x) for x in (m.group(1, 2) if m.group(1) else m.group(3, 4)))
+    if den < 2 or math.gcd(num, den) != 1:
+        return None
+    return Fraction(-num if bare.startswith("-") else num, den)
+
+
+def asks_for_number(gold: str) -> bool:
+    """The ground truth is a plain number (arithmetic, GSM8K): only a number answers it."""
+    return _DECIMAL.fullmatch(_bare(gold)) is not None
+
+
+def answers_number(pred: str, gold: str) -> bool:
+    """`pred` is a number equal to `gold` (a plain number); "13 \\times 20 = 260" answers 260."""
+    value = number_value(pred.rsplit("=", 1)[-1])
+    return value is not None and value == number_value(gold)
 
 
 def _layout(*parts: str) -> re.Pattern:

@@ -180,3 +180,20 @@ def test_correct_is_computed_even_when_no_weight_names_it():
     c = Completion(text="", final_text="<think>\nx\n</think>\n<answer>\n\\boxed{4}\n</answer>")
     comps, total = score(c, "4", cfg)
     assert comps["correct"] == 1.0 and total == comps["format"]  # logged, not weighted
+
+
+def test_a_calculation_in_the_box_is_not_a_number_answered():
+    """Boxing the question's numbers with the operation earned full reward: math-verify evaluated
+    `13 * 20` against 260, so neither arithmetic nor the tool was needed (found in review)."""
+    from toolrl.worker.rewards import is_correct
+
+    for calc in ["13 * 20", r"13 \times 20", r"140 * 700 - 64202 + 64462", r"\frac{520}{2}", r"\sqrt{67600}",
+                 "260 + 0", "(13)(20)"]:
+        assert not is_correct(calc, "260"), calc
+        assert score(comp(f"<answer>\\boxed{{{calc}}}</answer>"), "260",
+                     RewardConfig(weights={"correct": 1.0}))[0]["correct"] == 0.0
+    for number in ["260", "260.0", "+260", r"\$260", r"260 \text{ pages}", "260 pages", r"\text{260}",
+                   r"13 \times 20 = 260"]:
+        assert is_correct(number, "260"), number
+    assert is_correct("1,234", "1234") and is_correct(r"-\frac{1}{2}", "-0.5") and is_correct("3/4", "0.75")
+    assert not is_correct("261", "260") and not is_correct(r"\frac{2}{4}", "0.5") and not is_correct("", "0")

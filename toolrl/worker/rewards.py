@@ -7,8 +7,11 @@ ground truth and the reward config, and returns a float. Users add their own wit
 
 Correctness looks only at the last \\boxed{} inside the last <answer>...</answer> that the *model*
 wrote after its final tool output, so a \\boxed in the reasoning or printed by a program never
-counts. It is checked with math-verify in a separate process under a timeout, so a pathological
-expression can neither hang nor crash the worker.
+counts. Where the ground truth is a plain number (arithmetic, GSM8K), the answer must be a number
+as written (a decimal, or a fraction in lowest terms; units, currency and thousands separators
+allowed) and is compared exactly: a calculation is not an answer. Anything else is checked with
+math-verify in a separate process under a timeout, so a pathological expression can neither hang
+nor crash the worker.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import Callable
 
 from toolrl.config import RewardConfig
 from toolrl.format import (ANSWER_CLOSE, ANSWER_OPEN, THINK_ANSWER, THINK_ANSWER_STRICT, THINK_CLOSE, THINK_CODE,
-                           THINK_OPEN, extract_answer)
+                           THINK_OPEN, answers_number, asks_for_number, extract_answer)
 from toolrl.protocol import ToolCall
 from toolrl.tasks import Grading
 from toolrl.tasks.code.judge import TestResult
@@ -143,6 +146,8 @@ def is_correct(pred: str | None, gold: str, timeout_s: float = 5.0) -> bool:
         return False
     if pred.strip() == gold.strip():  # exact match needs no parser
         return True
+    if asks_for_number(gold):  # only a number answers it, compared exactly (toolrl.format)
+        return answers_number(pred, gold)
     _verifier.timeout_s = timeout_s
     return _verifier(pred, gold)
 
