@@ -76,6 +76,13 @@ elif [ -n "$MASTER_ADDR_ARG$MASTER_PORT_ARG" ]; then
   fail "--master-addr and --master-port are for learner ranks on several nodes (--nnodes 2 or more)"
 fi
 RUN_DIR=${RUN_DIR:-runs/$(date +%Y%m%d-%H%M%S)}
+# Before anything starts (the learner checks again): --resume needs a checkpoint, and a fresh run
+# must not start over one (its first save would delete the earlier run's checkpoints).
+if [ -n "$RESUME" ] && [ ! -f "$RUN_DIR/checkpoints/latest" ]; then
+  fail "--resume: $RUN_DIR/checkpoints holds no checkpoint; give the --run-dir of the run to continue"
+elif [ -z "$RESUME" ] && [ -f "$RUN_DIR/checkpoints/latest" ]; then
+  fail "$RUN_DIR holds a checkpoint of an earlier run: add --resume to continue it, or give another --run-dir"
+fi
 if [ "$NODE_RANK" -gt 0 ]; then
   # Only the learner runs here: the config's placement of the reference model and the workers is
   # node 0's. Its learner_gpus (or --learner-gpus) are this node's.

@@ -202,3 +202,26 @@ def test_bad_multi_node_flags_are_one_clear_error(args, needle):
     assert out.returncode == 2, out.stdout
     assert needle in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stdout == ""
+
+
+def test_resume_needs_a_checkpoint_and_a_fresh_run_never_starts_over_one(tmp_path):
+    """--resume without a checkpoint trained from step 0 without a word; a fresh run in a directory
+    with a checkpoint deleted it at its first save (found in review). Refused before anything starts,
+    by launch.sh and by the learner itself."""
+    from toolrl.learner.loop import check_checkpoint_dir
+
+    run_dir = tmp_path / "run"
+    out = launch("--config", "configs/cpu_tiny.yaml", "--resume", "--dry-run", run_dir=run_dir)
+    assert out.returncode == 2 and "holds no checkpoint" in out.stderr
+    out = launch("--config", "configs/cpu_tiny.yaml", "--resume", "--dry-run")  # a new timestamped directory
+    assert out.returncode == 2 and "holds no checkpoint" in out.stderr
+    with pytest.raises(SystemExit, match="holds no checkpoint"):
+        check_checkpoint_dir(run_dir / "checkpoints", resume=True)
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("step000003")
+    out = launch("--config", "configs/cpu_tiny.yaml", "--dry-run", run_dir=run_dir)
+    assert out.returncode == 2 and "add --resume to continue it" in out.stderr
+    with pytest.raises(SystemExit, match=r"holds a checkpoint \(step000003\)"):
+        check_checkpoint_dir(run_dir / "checkpoints", resume=False)
+    assert launch("--config", "configs/cpu_tiny.yaml", "--resume", "--dry-run", run_dir=run_dir).returncode == 0
+    check_checkpoint_dir(run_dir / "checkpoints", resume=True)

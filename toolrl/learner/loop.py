@@ -50,10 +50,24 @@ def from_rank0(value, world: int):
     return box[0]
 
 
+def check_checkpoint_dir(ckpt_dir: Path, resume: bool) -> None:
+    """--resume needs a checkpoint, and a fresh run must not start over one: at its first save the
+    keep policy deleted the earlier run's checkpoints (and `latest` pointed at the new run)."""
+    latest = ckpt_dir / "latest"
+    if resume and not latest.is_file():
+        raise SystemExit(f"learner: --resume, but {ckpt_dir} holds no checkpoint (no 'latest' file): give the "
+                         "run directory of the run to continue, or start without --resume")
+    if not resume and latest.is_file():
+        raise SystemExit(f"learner: {ckpt_dir} holds a checkpoint ({latest.read_text().strip() or '?'}) of an "
+                         "earlier run: give --resume to continue it, or another run directory "
+                         "(--run-dir, learner.checkpoint_dir); a fresh run there would delete it")
+
+
 def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None = None) -> None:
     started = time.time() if started is None else started  # learner.run_budget_s counts from here
     ckpt_dir = run_dir / "checkpoints" if run_dir else Path(cfg.learner.checkpoint_dir)
     log_dir = run_dir / "logs" if run_dir else Path(cfg.logging.log_dir)
+    check_checkpoint_dir(ckpt_dir, resume)
     if cfg.learner.cpu_cores and not torch.cuda.is_available():
         os.sched_setaffinity(0, cfg.learner.cpu_cores)
         torch.set_num_threads(len(cfg.learner.cpu_cores))
