@@ -396,8 +396,10 @@ class LocalService:
     """
 
     def __init__(self, module: str, args: list[str], url: str, *, token: str | None = None,
-                 log_path: str | Path | None = None, startup_timeout_s: float = 120.0, cwd: str | Path | None = None):
+                 log_path: str | Path | None = None, startup_timeout_s: float = 120.0, cwd: str | Path | None = None,
+                 env: dict[str, str | None] | None = None):
         self.module, self.args, self.url = module, list(args), url.rstrip("/")
+        self.env = env or {}  # over ours for the child; None removes a variable (secrets stay out of argv)
         self.token = token
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout_s = startup_timeout_s
@@ -406,8 +408,11 @@ class LocalService:
 
     def start(self) -> "LocalService":
         out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        env = {**os.environ, **{k: v for k, v in self.env.items() if v is not None}}
+        for k in [k for k, v in self.env.items() if v is None]:
+            env.pop(k, None)
         self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], cwd=self.cwd, stdout=out,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:  # whatever interrupts the wait (timeout, Ctrl-C), the service we started goes too
             deadline = time.monotonic() + self.startup_timeout_s
             while time.monotonic() < deadline:

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -423,3 +424,36 @@ def test_the_services_working_directory_is_not_readable_from_the_sandbox(tmp_pat
         assert "hunter2" not in r.stdout and r.status == "error", r
     finally:
         shutil.rmtree(where, ignore_errors=True)
+
+
+def test_tools_find_the_executor_with_their_token_or_run_a_private_one_under_its_own(ex, monkeypatch):
+    """inference.py, evaluate.py and trace collection: with TOOLRL_EXECUTOR_TOKEN in the environment
+    (RUN_DIR/tokens.env sourced) the /health probe went without it, and the private executor took
+    the token from the environment while its start-up probe did not: 60 s, then a traceback. Without
+    one, the private executor ran anyone's code (found in review)."""
+    import subprocess
+    import sys
+
+    from toolrl.config import load_config
+    from toolrl.executor.local import ExecutorRefused, executor_available
+
+    monkeypatch.setenv("TOOLRL_EXECUTOR_TOKEN", "not-the-service-token")
+    nothing = load_config("configs/cpu_tiny.yaml", [f"executor.url=http://127.0.0.1:{free_port()}"])
+    t0 = time.monotonic()
+    with executor_available(nothing, log=lambda m: None) as cfg:
+        assert time.monotonic() - t0 < 30 and cfg.executor.token not in (None, "not-the-service-token")
+        assert httpx.post(f"{cfg.executor.url}/execute", json={"code": "print(1)"}).status_code == 401
+        with ExecutorClient(cfg.executor.url, token=cfg.executor.token) as c:
+            assert c.execute("print(6 * 7)").stdout == "42\n"
+    wrong = load_config("configs/cpu_tiny.yaml", [f"executor.url={ex.url}"])  # the env's token, not TOKEN
+    with pytest.raises(ExecutorRefused, match="refuses our token"):
+        with executor_available(wrong):
+            pass
+    with executor_available(load_config("configs/cpu_tiny.yaml", [f"executor.url={ex.url}", f"executor.token={TOKEN}"]),
+                            log=lambda m: pytest.fail(m)) as cfg:
+        assert cfg.executor.url == ex.url  # the configured one, with our token
+    out = subprocess.run([sys.executable, "evaluate.py", "score", "--config", "configs/cpu_tiny.yaml", "--task",
+                          "humaneval:HumanEval/0", "--program", "-", "--set", f"executor.url={ex.url}"],
+                         input="def has_close_elements(n, t): return False\n", capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 2 and out.stderr.strip().startswith("evaluate.py score: the executor at"), out.stderr

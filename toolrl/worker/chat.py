@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 
 from toolrl.config import Config, add_config_args, config_from_args
-from toolrl.executor.local import executor_available
+from toolrl.executor.local import ExecutorRefused, executor_available
 from toolrl.format import extract_answer
 from toolrl.models import latest_export, resolve_run_model
 from toolrl.worker.agent import Agent
@@ -142,5 +142,9 @@ def main(argv: list[str] | None = None) -> None:
             questions = EXAMPLES
         else:
             questions = questions_from_user(console)
-        with executor_available(cfg, log=lambda m: console.print(f"[dim]{m}[/]")) as cfg2:
-            asyncio.run(chat(cfg2, questions, console))
+        try:
+            with executor_available(cfg, log=lambda m: console.print(f"[dim]{m}[/]")) as cfg2:
+                asyncio.run(chat(cfg2, questions, console))
+        except ExecutorRefused as exc:
+            print(f"inference.py: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from toolrl.config import Config, add_config_args, config_from_args
 from toolrl.executor.client import ExecutorClient
-from toolrl.executor.local import executor_available
+from toolrl.executor.local import ExecutorRefused, executor_available
 from toolrl.format import extract_code
 from toolrl.metrics import decoding
 from toolrl.models import resolve_run_model
@@ -111,7 +111,7 @@ def score_main(argv: list[str]) -> None:
         text = sys.stdin.read() if args.program == "-" else Path(args.program).read_text()
         res = score_program(cfg, args.task, text, args.mode or cfg.rewards.code_mode,
                             log=lambda m: print(m, file=sys.stderr))
-    except (DataError, OSError) as exc:
+    except (DataError, OSError, ExecutorRefused) as exc:
         print(f"evaluate.py score: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     print(json.dumps(res))
@@ -179,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     except EvaluationUnscored as exc:
         print(f"evaluate.py: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
+    except ExecutorRefused as exc:
+        print(f"evaluate.py: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     res.update(model=args.model, task=args.task, samples_per_problem=args.samples, prompt=cfg.prompt.system)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))

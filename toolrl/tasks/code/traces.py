@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from toolrl.config import add_config_args, config_from_args
 from toolrl.executor.client import AsyncExecutorClient, ExecutorError
-from toolrl.executor.local import executor_available
+from toolrl.executor.local import ExecutorRefused, executor_available
 from toolrl.prompts import load_chat_prompt
 from toolrl.tasks.base import DataError, Problem
 from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
@@ -228,14 +228,17 @@ def main(argv: list[str] | None = None) -> None:
         check_server(args.base_url, args.model, api_key, retries=args.retries)
     except TeacherError as exc:
         fail(str(exc))
-    with executor_available(cfg, log=lambda m: print(m, file=sys.stderr)) as c2:
-        async def run():
-            async with AsyncExecutorClient(c2.executor.url, token=c2.executor.token) as ex:
-                return await collect(problems, args.base_url, args.model, ex, args.samples, args.concurrency,
-                                     args.retries, args.temperature, args.max_tokens, api_key,
-                                     per_test_timeout_s=c2.rewards.code_test_timeout_s, progress=not args.quiet,
-                                     request_seed=args.request_seed)
-        kept, rejected, stats = asyncio.run(run())
+    try:
+        with executor_available(cfg, log=lambda m: print(m, file=sys.stderr)) as c2:
+            async def run():
+                async with AsyncExecutorClient(c2.executor.url, token=c2.executor.token) as ex:
+                    return await collect(problems, args.base_url, args.model, ex, args.samples, args.concurrency,
+                                         args.retries, args.temperature, args.max_tokens, api_key,
+                                         per_test_timeout_s=c2.rewards.code_test_timeout_s,
+                                         progress=not args.quiet, request_seed=args.request_seed)
+            kept, rejected, stats = asyncio.run(run())
+    except ExecutorRefused as exc:
+        fail(str(exc))
     errors = stats.pop("errors", [])
     if errors:
         stats["errors"] = errors[:5]
