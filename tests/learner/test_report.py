@@ -85,3 +85,34 @@ def test_rows_without_the_newer_keys_still_plot(tmp_path, keys):
     assert ("reward (total)" in not_logged) == ("reward/total_mean" not in keys)
     plot(old, tmp_path / "curves.png", EVALS)
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_summary_counts_each_step_once_and_the_policys_own_tool_calls(tmp_path, monkeypatch):
+    """A resumed run logs again the steps after its checkpoint: they were summed twice. tool_calls
+    multiplied the policy's calls per sample by every sample, teacher traces too (found in review)."""
+    import json
+
+    from toolrl.config import load_config
+    from toolrl.learner import report
+    from toolrl.metrics import batch_stats
+    from toolrl.protocol import Sample, ToolCall
+
+    def sample(source, calls):
+        return Sample(prompt_ids=[1], completion_ids=[2, 3], loss_mask=[1, 1], logprobs=[-0.1, -0.1],
+                      source=source, group_id=f"g-{source}", reward=1.0, policy_version=3,
+                      tool_calls=[ToolCall(code="print(1)", output="1", status="ok")] * calls)
+    stats = batch_stats([sample("policy", 1), sample("policy", 2), sample("teacher", 1), sample("teacher", 1)], 3)
+    assert stats["tool_calls"] == 3 and stats["samples"] == 4
+
+    class NoServer:  # the report lists workers from the reference server: none here
+        def __init__(self, *a, **k):
+            raise ConnectionError("no server")
+    monkeypatch.setattr(report, "RefServerClient", NoServer)
+    (tmp_path / "logs").mkdir()
+    steps = [1, 2, 3, 2, 3, 4]  # checkpoint at 1; steps 2 and 3 taken, lost, taken again
+    (tmp_path / "logs" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "samples": 16, "tool_calls": 3, "tool_calls_per_sample": 0.375, "policy_version": s,
+                    "accuracy": 0.1 * i}) + "\n" for i, s in enumerate(steps)))
+    out = report.summarize(load_config("configs/cpu_tiny.yaml"), tmp_path, 60.0)
+    assert (out["steps"], out["samples"], out["tool_calls"]) == (4, 64, 12)
+    assert out["accuracy_last"] == 0.5  # the last row logged for step 4

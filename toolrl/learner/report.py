@@ -32,6 +32,12 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def last_per_step(rows: list[dict]) -> list[dict]:
+    """One row a step, the last logged, in step order: a resumed run logs again the steps taken
+    after its checkpoint (the log is appended to), which summed twice and drew the curves back."""
+    return sorted({r["step"]: r for r in rows if "step" in r}.values(), key=lambda r: r["step"])
+
+
 def heldout(evals: list[dict]) -> dict:
     """Before/after figures of the learner's held-out evaluations (eval.before_after)."""
     out = {}
@@ -244,7 +250,7 @@ def _step_time(ax, rows, evals):
 
 
 def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
-    metrics = read_jsonl(run_dir / "logs" / "metrics.jsonl")
+    metrics = last_per_step(read_jsonl(run_dir / "logs" / "metrics.jsonl"))
     workers: list[dict] = []
     queue: dict = {}
     try:
@@ -264,7 +270,7 @@ def summarize(cfg, run_dir: Path, wall_s: float) -> dict:
         "policy_version": int(last.get("policy_version", 0)),
         "workers": workers,
         "samples": int(sum(m.get("samples", 0) for m in metrics)),
-        "tool_calls": int(round(sum(m.get("tool_calls_per_sample", 0) * m.get("samples", 0) for m in metrics))),
+        "tool_calls": int(sum(m.get("tool_calls", 0) for m in metrics)),  # the policy samples' calls
         "reward_first": first.get("reward/total_mean"),
         "reward_last": last.get("reward/total_mean"),
         "accuracy_first": first.get("accuracy"),
