@@ -169,3 +169,12 @@ def test_setting_one_key_of_a_mapping_keeps_its_other_keys():
     assert load_config(None, ["rewards.weights.correct=2"]).rewards.weights == {"correct": 2.0, "format": 0.1,
                                                                               "tool": 0.1}
     assert load_config(None, ["rewards.weights={correct: 3}"]).rewards.weights == {"correct": 3.0}  # whole: as given
+
+
+@pytest.mark.parametrize("bad", ["rewards.weights.correct=.nan", "grpo.beta=.inf", "learner.lr=nan",
+                                 "rewards.schedule.format={start: 0, end: -.inf, steps: 3}"])
+def test_nan_and_inf_are_refused(bad):
+    """A NaN reward weight made every advantage NaN and every micro-batch's loss skipped without an
+    error (found in review)."""
+    with pytest.raises(ConfigError, match="finite number"):
+        load_config("configs/cpu_tiny.yaml", [bad])
