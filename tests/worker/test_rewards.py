@@ -56,9 +56,9 @@ def test_tool_bonus_only_for_clean_runs_and_capped():
 def test_simple_recipe_rewards():
     cfg = RewardConfig(weights={"digit": 1.0, "mark": 1.0, "strict_format": 1.0})
     comps, total = score(comp(GOOD), "1234", cfg)
-    assert comps == {"correct": 1.0, "digit": 1.0, "mark": 1.0, "strict_format": 1.0} and total == 3.0
+    assert comps == {"correct": 1.0, "format": 1.0, "digit": 1.0, "mark": 1.0, "strict_format": 1.0} and total == 3.0
     comps, _ = score(comp("<think>a</think><think>b</think><answer>\\boxed{x}</answer>"), "1", cfg)
-    assert comps == {"correct": 0.0, "digit": 0.0, "mark": 0.5, "strict_format": 0.0}
+    assert comps == {"correct": 0.0, "format": 1.0, "digit": 0.0, "mark": 0.5, "strict_format": 0.0}
 
 
 def test_weighted_total_and_custom_reward():
@@ -180,6 +180,10 @@ def test_correct_is_computed_even_when_no_weight_names_it():
     c = Completion(text="", final_text="<think>\nx\n</think>\n<answer>\n\\boxed{4}\n</answer>")
     comps, total = score(c, "4", cfg)
     assert comps["correct"] == 1.0 and total == comps["format"]  # logged, not weighted
+    # and the format, which the format rate reads: it read 0.0 for well-formed answers (found in review)
+    text = "<think>\nx\n</think>\n<answer>\n\\boxed{4}\n</answer>"
+    comps, total = score(Completion(text=text, final_text=text), "4", RewardConfig(weights={"correct": 1.0}))
+    assert comps == {"correct": 1.0, "format": 1.0} and total == 1.0
 
 
 def test_a_calculation_in_the_box_is_not_a_number_answered():

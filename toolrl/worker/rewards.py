@@ -234,8 +234,10 @@ def check_names(weights: dict[str, float]) -> None:
 
 def score(c: Completion, answer: str, cfg: RewardConfig, version: int = 0) -> tuple[dict[str, float], float]:
     """(components, weighted total) at a policy version. Components at weight 0 are still logged,
-    and `correct` always is: accuracy, pass@k, the curriculum and the teacher's decay read it."""
+    and `correct` and the format always are: accuracy, pass@k, the curriculum and the teacher's
+    decay read the one, the format rate the other (it read 0 where no weight named it)."""
     weights = weights_at(cfg, version)
     check_names(weights)
-    comps = {name: float(REWARDS[name](c, answer, cfg)) for name in {"correct": 0.0, **weights}}
+    always = {"correct": 0.0, ("code_format" if c.grading == "tests" else "format"): 0.0}
+    comps = {name: float(REWARDS[name](c, answer, cfg)) for name in {**always, **weights}}
     return comps, sum(weights[n] * comps[n] for n in weights)
