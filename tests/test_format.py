@@ -38,3 +38,19 @@ def test_extract_answer_reads_the_last_box_of_the_last_answer_block():
     assert extract_answer("<answer>\\boxed{1}</answer> text <answer>\\boxed{2} \\boxed{3}</answer>") == "3"
     assert extract_answer("\\boxed{5} but no answer block") is None
     assert extract_answer("<answer>no box</answer>") is None
+
+
+@pytest.mark.parametrize("segment,program", [
+    # an empty last python fence: the code is in the one before it (nothing ran)
+    ("<program>\n```python\nprint(1)\n```\n```python\n```\n</program>\n", "print(1)"),
+    # a one-line fence (its closing backticks were read as an opening fence: "</program>" ran)
+    ("<program>\n```python print(47*38)```\n</program>\n", "print(47*38)"),
+    ("<program>\n```python\nx = 2\n```\n```py print(x)```\n", "print(x)"),  # the last one
+    # an indented fence or body (an IndentationError)
+    ("<program>\n  ```python\n  x = 1\n  print(x)\n  ```\n</program>\n", "x = 1\nprint(x)"),
+    ("<program>\n    print(3)\n</program>", "print(3)"),
+    ("<program>\n```python\n```\n</program>", None),
+])
+def test_programs_are_found_where_the_model_put_them(segment, program):
+    """Found in review: each of these ran nothing, the wrong text, or failed on its indentation."""
+    assert extract_program(segment) == program

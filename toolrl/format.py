@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from fractions import Fraction
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -151,6 +152,7 @@ THINK_ANSWER_STRICT = re.compile(rf"^{THINK_OPEN}\n.*?\n{THINK_CLOSE}\n{ANSWER_O
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 _PROGRAM = re.compile(re.escape(PROGRAM_OPEN) + r"(.*?)(?:" + re.escape(PROGRAM_CLOSE) + r"|\Z)", re.S)
+_INLINE = re.compile(r"```[ \t]*(?:" + "|".join(PYTHON_LANGS) + r")[ \t]+([^`\n]+)```")
 _CODE_START = re.compile(r"^(?:def |class |import |from |async def |@)", re.M)
 
 
@@ -167,17 +169,28 @@ def extract_program(segment: str, stop_marker: str | None = None) -> str | None:
     """
     if stop_marker and stop_marker in segment:
         segment = segment[: segment.rindex(stop_marker)]
-    blocks = code_blocks(segment)
-    for lang, code in reversed(blocks):
-        if lang in PYTHON_LANGS:
-            return code.strip("\n") or None
-    for lang, code in reversed(blocks):
-        if lang not in ("output", "text"):
-            return code.strip("\n") or None
-    progs = _PROGRAM.findall(segment)
-    if progs and progs[-1].strip():
-        return progs[-1].strip("\n")
+    # ```python print(47 * 38)``` on one line is a fence too (read apart: the multi-line pattern
+    # would take its closing backticks for an opening fence)
+    inline = [(m.start(), "python", m.group(1).strip()) for m in _INLINE.finditer(segment)]
+    rest = _INLINE.sub(lambda m: " " * len(m.group(0)), segment)  # same offsets
+    blocks = sorted(inline + [(m.start(), m.group(1).lower(), _code(m.group(2))) for m in _FENCE.finditer(rest)])
+    # an empty fence is skipped, not taken as "no program": an earlier one may hold the code
+    for _, lang, code in reversed(blocks):
+        if lang in PYTHON_LANGS and code:
+            return code
+    for _, lang, code in reversed(blocks):
+        if lang not in ("output", "text") and code:
+            return code
+    progs = _PROGRAM.findall(rest)
+    if progs and progs[-1].strip() and "```" not in progs[-1]:  # fences, all empty: no code
+        return _code(progs[-1])
     return None
+
+
+def _code(body: str) -> str:
+    """A block's code as Python reads it: the indentation every line shares removed (an indented
+    fence kept it, and the program failed with an IndentationError)."""
+    return textwrap.dedent(body).strip("\n")
 
 
 def extract_code(text: str) -> str | None:
