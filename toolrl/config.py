@@ -711,5 +711,11 @@ def main(argv: list[str] | None = None) -> None:
     elif args.print:
         print(dump_config(cfg), end="")
     else:
+        from toolrl.worker.rewards import check_reward_config  # lazy: torch; only the check needs the registry
+
+        try:
+            check_reward_config(cfg)
+        except ValueError as exc:
+            raise SystemExit(f"config error: {exc}") from None
         print("config OK")
 

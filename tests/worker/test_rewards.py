@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from toolrl.config import RewardConfig, RewardSchedule
@@ -201,3 +203,33 @@ def test_a_calculation_in_the_box_is_not_a_number_answered():
         assert is_correct(number, "260"), number
     assert is_correct("1,234", "1234") and is_correct(r"-\frac{1}{2}", "-0.5") and is_correct("3/4", "0.75")
     assert not is_correct("261", "260") and not is_correct(r"\frac{2}{4}", "0.5") and not is_correct("", "0")
+
+
+def test_a_recipe_pays_rewards_that_exist_and_fit_its_task():
+    """A misspelt reward passed `config.py` ("config OK") and broke the gen worker with a traceback
+    once the other processes were up; the shipped 8-GPU code recipe paid `correct` and `format` (the
+    think/answer layout) for code, so its code_mode did nothing (found in review)."""
+    import subprocess
+    import sys
+
+    from toolrl.config import load_config
+    from toolrl.worker.rewards import check_reward_config
+
+    with pytest.raises(ValueError, match=r"rewards.weights: unknown reward\(s\) \['corect'\]"):
+        check_reward_config(load_config("configs/cpu_demo.yaml", ["rewards.weights.corect=1"]))
+    with pytest.raises(ValueError, match="rewards.schedule: unknown"):
+        check_reward_config(load_config("configs/cpu_demo.yaml",
+                                        ["rewards.schedule.formt={start: 0, end: 1, steps: 2}"]))
+    with pytest.raises(ValueError, match="weigh `code_format`"):
+        check_reward_config(load_config("configs/cpu_code.yaml", ["rewards.weights.format=0.1"]))
+    with pytest.raises(ValueError, match="graded by its tests"):
+        check_reward_config(load_config("configs/cpu_code.yaml", ["rewards.weights={code_format: 1}"]))
+    for recipe in ("configs/cpu_code.yaml", "configs/gpu_coder_1p5b_teacher_8gpu.yaml", "configs/cpu_demo.yaml"):
+        check_reward_config(load_config(recipe))
+    for cli in (["config.py"], ["gen_worker.py"]):
+        out = subprocess.run([sys.executable, *cli, "--config", "configs/cpu_tiny.yaml",
+                              "--set", "rewards.weights.corect=1"],
+                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+        assert out.returncode == 1 and out.stderr.strip().endswith(
+            "registered: ['code_format', 'correct', 'digit', 'format', 'mark', 'strict_format', 'tests', 'tool']")
+        assert "Traceback" not in out.stderr and "config error: rewards.weights: unknown" in out.stderr

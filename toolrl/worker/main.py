@@ -30,7 +30,13 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config_from_args(args)
     setup_logging("gen_worker")
 
+    from toolrl.worker.rewards import check_reward_config
     from toolrl.worker.service import GenWorker, rollout_only, run_service  # after parsing: --help stays fast
+
+    try:  # a misspelt reward: one line now, not a traceback from the agent once the engine is up
+        check_reward_config(cfg)
+    except ValueError as exc:
+        raise SystemExit(f"gen_worker.py: config error: {exc}") from None
 
     if args.rollout_only:
         async def run():

@@ -24,11 +24,11 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Callable
 
-from toolrl.config import RewardConfig
+from toolrl.config import Config, RewardConfig
 from toolrl.format import (ANSWER_CLOSE, ANSWER_OPEN, THINK_ANSWER, THINK_ANSWER_STRICT, THINK_CLOSE, THINK_CODE,
                            THINK_OPEN, answers_number, asks_for_number, extract_answer)
 from toolrl.protocol import ToolCall
-from toolrl.tasks import Grading
+from toolrl.tasks import Grading, get_task
 from toolrl.tasks.code.judge import TestResult
 
 
@@ -230,6 +230,26 @@ def check_names(weights: dict[str, float]) -> None:
     unknown = sorted(set(weights) - set(REWARDS))
     if unknown:
         raise ValueError(f"unknown reward(s) {unknown}; registered: {sorted(REWARDS)}")
+
+
+def check_reward_config(cfg: Config) -> None:
+    """The rewards a config weighs fit its task (ValueError naming the field): every one registered,
+    and a task graded by its tests paid by them, not by the think/answer layout it does not have
+    (a shipped code recipe paid `correct` and `format`: its code_mode did nothing)."""
+    r = cfg.rewards
+    for key, names in (("rewards.weights", r.weights), ("rewards.schedule", r.schedule)):
+        try:
+            check_names(dict.fromkeys(names, 0.0))
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+    paid = {k for k, v in r.weights.items() if v} | set(r.schedule)
+    if get_task(cfg.data.source).grading == "tests":
+        if not {"tests", "correct"} & paid:
+            raise ValueError(f"rewards.weights {r.weights}: data.source {cfg.data.source} is graded by its tests; "
+                             "weigh `tests` (the fraction passed, rewards.code_mode) or `correct` (all pass)")
+        if "format" in paid:
+            raise ValueError(f"rewards.weights: `format` pays for the <answer> layout, which data.source "
+                             f"{cfg.data.source}'s answers do not have; weigh `code_format`")
 
 
 def score(c: Completion, answer: str, cfg: RewardConfig, version: int = 0) -> tuple[dict[str, float], float]:
