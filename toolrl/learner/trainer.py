@@ -33,6 +33,11 @@ from toolrl.models import resolve_dtype
 from toolrl.protocol import TRUNCATED, Sample
 
 
+# what every rank's micro-batches add up (toolrl.grpo.grpo_loss and _micro_loss): the same keys on
+# every rank for the all-reduce, whether or not a rank's share produced them
+SUM_KEYS = ("loss_grpo", "loss_sft_teacher", "loss_sft_self", "kl_sum", "entropy_sum", "clip_sum", "ratio_sum",
+            "tokens", "tokens_real", "tokens_padded", "mis_masked_tokens")
+
 class Trainer:
     def __init__(self, cfg: Config, model_path: str):
         import deepspeed  # lazy, as transformers: importing this module (micro-batching, tests) needs neither
@@ -195,10 +200,36 @@ class Trainer:
         self._old = None
         self.step += 1
         self.samples_seen += int(self._all_reduce(len(samples), "sum"))  # every rank's share
-        out = self._metrics(sums, samples, roles, done, time.time() - t0)
-        out["samples_no_signal"] = done["no_signal"] / max(1, g.updates_per_batch)
-        out["truncated_masked"] = masked
+        # (skipped micro-batches are already the batch's: every rank skips the same ones, together)
+        local = {"micro": done["micro"], "no_signal": done["no_signal"], "masked": masked,
+                 "sft_teacher": sum(1 for s in samples if roles[id(s)][Role.TEACHER]),
+                 "sft_self": sum(1 for s in samples if roles[id(s)][Role.SELF])}
+        self._whole_batch(sums, local)
+        done["micro"] = local["micro"]
+        out = self._metrics(sums, local, done, time.time() - t0)
+        out["samples_no_signal"] = local["no_signal"] / max(1, g.updates_per_batch)
+        out["truncated_masked"] = local["masked"]
         return out
+
+    def _whole_batch(self, sums: dict, counts: dict) -> None:
+        """Each rank's sums and counts are of its own share of the batch: summed over the ranks (ratio
+        extremes: max and min), so rank 0 logs the whole batch. The losses add up too: each rank's is
+        its share of the batch's mean (divided by the batch's counts, not its own)."""
+        if self.world_size == 1:
+            return
+        keys = SUM_KEYS  # the same on every rank, whichever its share produced
+        names = list(counts)
+        dist = torch.distributed
+        device = next(self.module.parameters()).device
+        t = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(counts[k]) for k in names], dtype=torch.float64,
+                         device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        ext = torch.tensor([sums["ratio_max"], -sums["ratio_min"]], dtype=torch.float64, device=device)
+        dist.all_reduce(ext, op=dist.ReduceOp.MAX)
+        vals = t.tolist()
+        sums.update(zip(keys, vals[:len(keys)]))
+        counts.update({k: int(v) for k, v in zip(names, vals[len(keys):])})
+        sums["ratio_max"], sums["ratio_min"] = float(ext[0]), -float(ext[1])
 
     def _optimizer_step(self, samples: list[Sample], roles: dict, sums: dict, done: dict, filler: Sample) -> None:
         """One optimizer step on `samples`, accumulated over micro-batches, normalised by the counts of
@@ -339,7 +370,7 @@ class Trainer:
         metrics["tokens_real"] = torch.tensor(float(packed.num_tokens))
         return total, metrics
 
-    def _metrics(self, sums, samples, roles, done, step_s) -> dict[str, float]:
+    def _metrics(self, sums, counts, done, step_s) -> dict[str, float]:
         """Averages over the batch's optimizer steps (the losses are summed per step, so divided by them)."""
         toks = max(1.0, sums.get("tokens", 0.0))
         w, steps = self.weights, max(1, done["steps"])
@@ -372,8 +403,8 @@ class Trainer:
             "train_tokens": sums.get("tokens_real", 0.0),
             "padding_frac": 1 - sums.get("tokens_real", 0.0) / max(1.0, sums.get("tokens_padded", 0.0)),
             "tokens_per_s": sums.get("tokens_real", 0.0) / max(1e-9, step_s),
-            "sft_samples_teacher": sum(1 for s in samples if roles[id(s)][Role.TEACHER]),
-            "sft_samples_self": sum(1 for s in samples if roles[id(s)][Role.SELF]),
+            "sft_samples_teacher": counts["sft_teacher"],
+            "sft_samples_self": counts["sft_self"],
         }
         return out
 
