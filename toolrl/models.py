@@ -156,12 +156,18 @@ def resolve_model(name: str) -> str:
 
 
 def resolve_run_model(model: str) -> str:
-    """A run directory means its latest export; anything else goes to the model layer as is."""
+    """A run directory means its latest export; anything else goes to the model layer as is, checked
+    now (FileNotFoundError, one line for the command line) rather than after the engine has started.
+    A name whose parent directory exists here (runs/typo) is a missing path, not a hub id."""
     p = Path(model).expanduser()
     if p.is_dir() and not (p / "config.json").is_file():
         if (p / "export" / "config.json").is_file():
             return str(p / "export")
         raise FileNotFoundError(f"{p} is neither a model directory nor a run directory with an export/")
+    if not p.exists() and model.strip().lower() not in BUILDERS and (
+            model.startswith((".", "/", "~")) or (p.parent != Path(".") and p.parent.is_dir())):
+        raise FileNotFoundError(f"no such run or model directory: {p}")
+    resolve_model(model)  # an unknown name: its error now
     return model
 
 
