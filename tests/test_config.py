@@ -178,3 +178,25 @@ def test_nan_and_inf_are_refused(bad):
     error (found in review)."""
     with pytest.raises(ConfigError, match="finite number"):
         load_config("configs/cpu_tiny.yaml", [bad])
+
+
+def test_a_runs_config_yaml_reads_back_with_its_tokens_from_the_environment(tmp_path, monkeypatch):
+    """inference.py and evaluate.py answer with the run's own config (RUN_DIR/config.yaml: prompt,
+    limits) for a run's export; its tokens were written as *** and must read back as unset, the
+    environment's (tokens.env) taking their place (found in review: a code run's model was asked
+    with the demo's arithmetic prompt)."""
+    from toolrl.config import dump_config
+    from toolrl.models import run_config
+
+    cfg = load_config("configs/cpu_code.yaml", ["executor.token=s3cret", "rollout.token=r0ll"])
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "config.yaml").write_text(dump_config(cfg))
+    assert "s3cret" not in (run / "config.yaml").read_text()
+    assert run_config(str(run / "export")) == str(run / "config.yaml") and run_config(str(run)) is None
+    monkeypatch.delenv("TOOLRL_EXECUTOR_TOKEN", raising=False)
+    monkeypatch.setenv("TOOLRL_ROLLOUT_TOKEN", "from-env")
+    back = load_config(run_config(str(run / "export")))
+    assert back.executor.token is None and back.rollout.token == "from-env"
+    assert back.prompt.system == cfg.prompt.system == "code" and back.rollout == cfg.rollout.model_copy(
+        update={"token": "from-env"})

@@ -622,6 +622,7 @@ def _format_error(err: ValidationError, overrides: dict[str, Any]) -> str:
     return f"config error: {key}={value!r}: {msg}"
 
 
+REDACTED = "***"  # a token as written to files and loggers; read back, it means "not set here"
 TOKEN_ENV = {"executor": "TOOLRL_EXECUTOR_TOKEN", "ref_server": "TOOLRL_REF_SERVER_TOKEN",
              "rollout": "TOOLRL_ROLLOUT_TOKEN"}
 
@@ -641,6 +642,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"config error: {p} must hold a mapping at the top level")
         tree = loaded
+    for section in TOKEN_ENV:  # a run's config.yaml read back: its tokens were written as REDACTED
+        if isinstance(tree.get(section), dict) and tree[section].get("token") == REDACTED:
+            tree[section]["token"] = None
     # Secrets come from the environment rather than a command line (which `ps` shows to every user):
     # launch.sh passes its per-run tokens this way. A --set still wins.
     for section, var in TOKEN_ENV.items():
@@ -677,11 +681,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def redacted(cfg: Config) -> dict:
-    """The config as data with every token replaced by "***": what is written to files and loggers."""
+    """The config as data with every token replaced by REDACTED: what is written to files and loggers."""
     tree = cfg.model_dump(mode="json")
     for section in TOKEN_ENV:
         if tree[section].get("token"):
-            tree[section]["token"] = "***"
+            tree[section]["token"] = REDACTED
     return tree
 
 

@@ -171,6 +171,14 @@ def resolve_run_model(model: str) -> str:
     return model
 
 
+def run_config(model: str) -> str | None:
+    """The config.yaml of the run a model directory is the export of (RUN_DIR/export), if any: a
+    trained model answers with its run's prompt and limits (a code run's are not the demo's)."""
+    p = Path(model)
+    config = p.parent / "config.yaml"
+    return str(config) if p.name == "export" and config.is_file() else None
+
+
 def latest_export(runs_dir: str = "runs") -> str | None:
     exports = sorted(Path(runs_dir).glob("*/export/config.json"), key=lambda f: f.stat().st_mtime)
     return str(exports[-1].parent) if exports else None

@@ -24,7 +24,7 @@ from rich.console import Console
 from toolrl.config import Config, add_config_args, config_from_args
 from toolrl.executor.local import ExecutorRefused, executor_available
 from toolrl.format import extract_answer
-from toolrl.models import latest_export, resolve_run_model
+from toolrl.models import latest_export, resolve_run_model, run_config
 from toolrl.worker.agent import Agent
 
 EXAMPLES = [
@@ -121,21 +121,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log", default="runs/inference.log", help="where the engine's logs go (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="show the engine's logs instead of --log")
     args = parser.parse_args(argv)
-    if not args.config:
-        args.config = "configs/cpu_demo.yaml"
-    cfg = config_from_args(args)
     model = args.model or latest_export() or "smollm2-135m-instruct"
     try:
         model = resolve_run_model(model)
     except FileNotFoundError as exc:
         print(f"inference.py: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    args.config = args.config or run_config(model) or "configs/cpu_demo.yaml"
+    cfg = config_from_args(args)
     # vLLM treats temperature 0 as greedy; its processed logprobs are then those of T = 1.
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": model}),
                                  "rollout": cfg.rollout.model_copy(update={"temperature": args.temperature or 1e-6})})
     log_path = None if args.verbose else Path(args.log)
     with engine_output_to(log_path) as console:
-        console.print(f"[dim]model: {model}" + (f"; engine logs: {log_path}" if log_path else "") + "[/]")
+        console.print(f"[dim]model: {model}; config: {args.config}"
+                      + (f"; engine logs: {log_path}" if log_path else "") + "[/]")
         if args.question:
             questions = [" ".join(args.question)]
         elif args.examples:

@@ -33,7 +33,7 @@ from toolrl.executor.client import ExecutorClient
 from toolrl.executor.local import ExecutorRefused, executor_available
 from toolrl.format import extract_code
 from toolrl.metrics import decoding
-from toolrl.models import resolve_run_model
+from toolrl.models import resolve_run_model, run_config
 from toolrl.tasks import DataError, Problem, load_task, task_seed
 from toolrl.tasks.code.judge import TestSpec, complete_program, run_tests
 from toolrl.tasks.code.loaders import find_task
@@ -136,8 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples-out", help="also write every rollout (text, rewards) to this jsonl file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    if not args.config:
-        args.config = "configs/cpu_demo.yaml"
+    if not args.config:  # a run's export: its run's config (prompt, limits, task); else the demo's
+        try:
+            args.config = run_config(resolve_run_model(args.model)) or "configs/cpu_demo.yaml"
+        except FileNotFoundError:
+            args.config = "configs/cpu_demo.yaml"  # the model's error is reported below
     cfg = config_from_args(args)
     # what the command line leaves out comes from the config's eval section, as the learner's evaluations
     args.task = args.task or cfg.eval.task
