@@ -200,3 +200,15 @@ def test_a_runs_config_yaml_reads_back_with_its_tokens_from_the_environment(tmp_
     assert back.executor.token is None and back.rollout.token == "from-env"
     assert back.prompt.system == cfg.prompt.system == "code" and back.rollout == cfg.rollout.model_copy(
         update={"token": "from-env"})
+
+
+def test_sequence_mask_needs_an_upper_bound():
+    """exp of a long sequence's summed log-ratio overflowed to inf: a loss of -inf, the micro-batch
+    skipped, only a counter said so (found in review)."""
+    sets = ["grpo.vllm_importance_sampling_correction=true", "grpo.vllm_importance_sampling_mode=sequence_mask",
+            "grpo.vllm_importance_sampling_clip_min=0.5"]
+    with pytest.raises(ConfigError, match="unbounded without it"):
+        load_config("configs/cpu_tiny.yaml", [*sets, "grpo.vllm_importance_sampling_clip_max=null"])
+    load_config("configs/cpu_tiny.yaml", [*sets, "grpo.vllm_importance_sampling_clip_max=3"])
+    load_config("configs/cpu_tiny.yaml", [*sets[:2], "grpo.vllm_importance_sampling_mode=token_mask",
+                                          "grpo.vllm_importance_sampling_clip_max=null", sets[2]])

@@ -320,6 +320,10 @@ class GRPOConfig(Section):
         if self.vllm_importance_sampling_correction and hi is None and (truncate or lo is None):
             raise ValueError(f"vllm_importance_sampling_mode {mode} needs vllm_importance_sampling_clip_max"
                              + ("" if truncate else " or vllm_importance_sampling_clip_min"))
+        if self.vllm_importance_sampling_correction and hi is None and mode == "sequence_mask":
+            # the product of a long sequence's ratios overflows: an inf weight, a skipped micro-batch
+            raise ValueError("vllm_importance_sampling_mode sequence_mask needs vllm_importance_sampling_clip_max: "
+                             "a sequence's ratio (the product over its tokens) is unbounded without it")
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(f"vllm_importance_sampling_clip_min ({lo}) is above clip_max ({hi})")
         return self
