@@ -212,3 +212,10 @@ def test_sequence_mask_needs_an_upper_bound():
     load_config("configs/cpu_tiny.yaml", [*sets, "grpo.vllm_importance_sampling_clip_max=3"])
     load_config("configs/cpu_tiny.yaml", [*sets[:2], "grpo.vllm_importance_sampling_mode=token_mask",
                                           "grpo.vllm_importance_sampling_clip_max=null", sets[2]])
+
+
+def test_groups_of_one_cannot_train_grpo():
+    """Every group of one has zero advantage: GRPO learned nothing, without a word (found in review)."""
+    with pytest.raises(ConfigError, match="group_size 1 gives every group zero reward variance"):
+        load_config("configs/cpu_tiny.yaml", ["rollout.group_size=1"])
+    load_config("configs/cpu_tiny.yaml", ["rollout.group_size=1", "grpo.w_grpo=0", "grpo.w_teacher=1"])

@@ -559,6 +559,9 @@ class Config(Section):
                              f"({self.learner.sync_every}): only synced policies are on the workers")
         if any(not 1 <= k <= self.eval.samples for k in self.eval.ks):
             raise ValueError(f"eval.ks {self.eval.ks}: each k must lie in [1, eval.samples={self.eval.samples}]")
+        if self.rollout.group_size < 2 and self.grpo.w_grpo > 0:
+            raise ValueError("rollout.group_size 1 gives every group zero reward variance, so GRPO (w_grpo "
+                             f"{self.grpo.w_grpo:g}) never learns: use 2 or more, or grpo.w_grpo 0 for SFT alone")
         if self.grpo.downsample_to is not None and self.grpo.downsample_to >= self.rollout.group_size:
             raise ValueError(f"grpo.downsample_to ({self.grpo.downsample_to}) must be below rollout.group_size "
                              f"({self.rollout.group_size}): the learner keeps that many of each group's rollouts")
