@@ -712,3 +712,17 @@ def test_zero3_steps_as_zero2_does_and_exports_whole_weights():
         # ...by the same step: measured differences are at most 1% of the update (Adam divides
         # near-zero gradients, whose last bits differ between the stages' reduction orders)
         assert (ta - tb).abs().max().item() <= 0.05 * update, n
+
+
+def test_without_the_grpo_term_its_per_token_figures_are_not_made_up():
+    """w_grpo 0 (the proof's SFT arm): entropy, KL, clip fraction and ratios were logged as 0 and 1,
+    read off the curves as measured (found in review). NaN, as grad_norm where it was not measured."""
+    tr = make_trainer("grpo.w_grpo=0", "grpo.w_teacher=1")
+    b = batch(5)
+    b = b + [b[1].model_copy(update={"source": "teacher", "group_id": "t0"})]
+    m = tr.train_step(b)
+    assert m["loss_sft_teacher"] > 0
+    for key in ("kl", "entropy", "clip_frac", "ratio_mean", "ratio_max", "ratio_min"):
+        assert math.isnan(m[key]), key
+    m = make_trainer().train_step(batch(5))
+    assert m["entropy"] > 0 and math.isfinite(m["ratio_max"]) and math.isfinite(m["kl"])

@@ -188,7 +188,7 @@ def _losses(ax, rows, evals):
 
 def _kl_or_entropy(ax, rows, evals):
     """The KL is 0 by construction with beta 0: then entropy and the clip fraction say more."""
-    if any(r.get("kl") for r in rows):
+    if any((r.get("kl") or 0) > 0 for r in rows):  # NaN: the GRPO term did not run that step
         ax.set_title("KL to reference")
         _line(ax, rows, "kl", "KL")
         return None

@@ -372,7 +372,9 @@ class Trainer:
 
     def _metrics(self, sums, counts, done, step_s) -> dict[str, float]:
         """Averages over the batch's optimizer steps (the losses are summed per step, so divided by them)."""
-        toks = max(1.0, sums.get("tokens", 0.0))
+        # per-token figures of the GRPO term: NaN when it ran on no token (w_grpo 0, nothing with a
+        # signal), never a made-up 0 entropy or ratio 1
+        toks = sums.get("tokens", 0.0) or math.nan
         w, steps = self.weights, max(1, done["steps"])
         for key in ("loss_grpo", "loss_sft_teacher", "loss_sft_self"):
             sums[key] = sums.get(key, 0.0) / steps
@@ -389,8 +391,8 @@ class Trainer:
             "clip_frac": sums.get("clip_sum", 0.0) / toks,
             "ratio_mean": sums.get("ratio_sum", 0.0) / toks,
             "mis_masked_tokens": sums.get("mis_masked_tokens", 0.0),
-            "ratio_max": sums["ratio_max"] if sums["ratio_max"] > -math.inf else 1.0,
-            "ratio_min": sums["ratio_min"] if sums["ratio_min"] < math.inf else 1.0,
+            "ratio_max": sums["ratio_max"] if sums["ratio_max"] > -math.inf else math.nan,
+            "ratio_min": sums["ratio_min"] if sums["ratio_min"] < math.inf else math.nan,
             # DeepSpeed measures it under ZeRO-1/2/3 and fp16/bf16 only: NaN where it did not, never 0
             "grad_norm": _or_nan(self.engine.get_global_grad_norm()) if applied else float("nan"),
             "lr": self.lr(),
