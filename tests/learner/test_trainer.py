@@ -726,3 +726,22 @@ def test_without_the_grpo_term_its_per_token_figures_are_not_made_up():
         assert math.isnan(m[key]), key
     m = make_trainer().train_step(batch(5))
     assert m["entropy"] > 0 and math.isfinite(m["ratio_max"]) and math.isfinite(m["kl"])
+
+
+def test_a_resume_trains_at_the_configs_lr_and_weight_decay(tmp_path):
+    """DeepSpeed restores the optimizer's groups and the scheduler's base LRs as saved: a resume with
+    --set learner.lr=... kept training at the old LR while warmup and steps followed the new config
+    (found in review)."""
+    first = make_trainer()
+    first.train_step(batch(3))
+    first.save_checkpoint(tmp_path)
+    sets = ("learner.lr=1e-4", "learner.weight_decay=0.1")
+    resumed = make_trainer(*sets)
+    resumed.load_checkpoint(tmp_path)
+    fresh = make_trainer(*sets)
+    fresh.step = resumed.step
+    fresh._apply_lr()
+    assert resumed.lr() == pytest.approx(fresh.lr()) and resumed.lr() != pytest.approx(first.lr())
+    groups = resumed.scheduler.optimizer.param_groups
+    assert all(g["weight_decay"] == 0.1 for g in groups)
+    assert resumed.train_step(batch(4))["lr"] == pytest.approx(fresh.train_step(batch(4))["lr"])

@@ -501,6 +501,19 @@ class Trainer:
         self.version = int(state["version"])
         self.samples_seen = int(state.get("samples_seen", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        # DeepSpeed restored the optimizer's groups and the scheduler's base LRs as they were saved:
+        # the config's lr and weight_decay hold on resume, as warmup, schedule and steps do (a changed
+        # lr was silently ignored)
+        lc = self.cfg.learner
+        for group in self.scheduler.optimizer.param_groups:
+            if (group.get("initial_lr"), group["weight_decay"]) != (lc.lr, lc.weight_decay) and self.rank == 0:
+                print(f"resumed with learner.lr {lc.lr:g} and weight_decay {lc.weight_decay:g} (the checkpoint's: "
+                      f"{group.get('initial_lr', float('nan')):g}, {group['weight_decay']:g})", flush=True)
+                break
+        for group in self.scheduler.optimizer.param_groups:
+            group["initial_lr"], group["weight_decay"] = lc.lr, lc.weight_decay
+        self.scheduler.base_lrs = [lc.lr] * len(self.scheduler.base_lrs)
+        self._apply_lr()
         return dict(state.get("run_state") or {})
 
 
