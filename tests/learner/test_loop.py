@@ -216,3 +216,39 @@ def test_zero3_ranks_catch_a_late_worker_up_together(tmp_path):
     assert reports[1]["pushes"] == [] and (reports[0]["draws"], reports[1]["draws"]) == (2, 4)
     rows = [json.loads(x) for x in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["policy_version"], r["workers_ok"]) for r in rows] == [(1, 1, 0), (2, 2, 1)]
+
+
+def test_a_full_disk_costs_the_checkpoint_not_the_run_or_its_export(tmp_path, monkeypatch, caplog):
+    """ENOSPC in the final checkpoint (written before the export) killed the learner with no export
+    and no final evaluation; a periodic one killed the whole run (found in review). The partial
+    checkpoint is removed, `latest` keeps naming the last whole one, and the export is written first."""
+    from toolrl.learner.loop import run
+    from toolrl.learner.trainer import Trainer
+
+    real = Trainer.save_checkpoint
+    calls = []
+
+    def save(self, ckpt_dir, run_state=None):
+        calls.append(self.step)
+        if self.step == 2:  # the disk fills half-way through the second
+            (ckpt_dir / "step000002").mkdir(parents=True)
+            (ckpt_dir / "step000002" / "half.pt").write_bytes(b"x" * 100)
+            raise OSError(28, "No space left on device")
+        return real(self, ckpt_dir, run_state)
+    monkeypatch.setattr(Trainer, "save_checkpoint", save)
+    cfg = load_config("configs/cpu_tiny.yaml", [
+        "logging.wandb_mode=disabled", "learner.dtype=float32", "grpo.beta=0", "learner.steps=2",
+        "learner.batch_samples=4", "learner.batch_tokens=100000", "learner.checkpoint_every=1",
+        "learner.batch_timeout_s=60", "eval.before_after=false", "ref_server.flow_control=false",
+        "ref_server.batch_wait_s=1", "ref_server.max_staleness=4"])
+    with serve(create_app(cfg)) as url:
+        asyncio.run(upload(url, [group("a", [1.0, 0.0, 0.0, 1.0]), group("b", [0.0, 1.0, 1.0, 1.0])]))
+        with caplog.at_level("ERROR"):
+            run(cfg.model_copy(update={"ref_server": cfg.ref_server.model_copy(update={"url": url})}),
+                tmp_path, resume=False)
+    assert calls == [1, 2]
+    assert (tmp_path / "export" / "config.json").is_file()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step000001"
+    assert not (tmp_path / "checkpoints" / "step000002").exists()
+    assert "checkpoint step000002 failed" in caplog.text and "step000001" in caplog.text
+    assert len((tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()) == 2

@@ -8,6 +8,7 @@ an exact-resume checkpoint. Held-out evaluations run on a live worker that holds
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -119,15 +120,27 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         ref.set_version(trainer.version)
 
     def checkpoint() -> None:
-        """On every rank (each writes its ZeRO shard); with what the loop needs to continue exactly."""
+        """On every rank (each writes its ZeRO shard); with what the loop needs to continue exactly.
+        A full disk costs this checkpoint, not the run: the partial one is removed (`latest` still
+        names the last whole one) and training goes on."""
+        tag = f"step{trainer.step:06d}"
+        latest = ckpt_dir / "latest"
+        if latest.is_file() and latest.read_text().strip() == tag:
+            return  # a resumed run that had already finished: rewriting its only checkpoint in place risks it
         workers = {}
         if rank0:
             try:
                 workers = {w["id"]: w["state"] for w in ref.workers() if w.get("state")}
             except Exception as exc:  # a checkpoint without worker states still resumes the learner exactly
                 log.warning("could not read the workers' states for the checkpoint: %s", exc)
-        trainer.save_checkpoint(ckpt_dir, {"teacher_weight": teacher_weight.state_dict(),
-                                           "train_elapsed_s": elapsed(), "workers": workers})
+        try:
+            trainer.save_checkpoint(ckpt_dir, {"teacher_weight": teacher_weight.state_dict(),
+                                               "train_elapsed_s": elapsed(), "workers": workers})
+        except OSError as exc:
+            log.error("checkpoint %s failed (%s); training goes on from the last whole one (%s)", tag, exc,
+                      latest.read_text().strip() if latest.is_file() else "none")
+            if rank0 and not (latest.is_file() and latest.read_text().strip() == tag):
+                shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
 
     def catch_up(drawing: bool) -> bool:
         """One round of bringing late workers up to the current policy while the ranks wait for their
@@ -262,9 +275,10 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         except Exception as exc:  # a worker that goes on generating costs time, not correctness
             log.warning("could not tell the reference server that training is over: %s", exc)
 
+    # the export first: it is what the run is for, and a checkpoint (many times its size) may not fit
+    export = trainer.export_hf((run_dir or Path(cfg.learner.checkpoint_dir).parent) / "export")
     if cfg.learner.checkpoint_every == 0 or trainer.step % cfg.learner.checkpoint_every:
         checkpoint()
-    export = trainer.export_hf((run_dir or Path(cfg.learner.checkpoint_dir).parent) / "export")
     if cfg.eval.before_after or (cfg.eval.every and trainer.step % cfg.eval.every == 0):
         held_out("after")
     if rank0:
