@@ -28,6 +28,7 @@
 #   python gen_worker.py --config CFG --set ref_server.url=http://HEAD:PORT \
 #       --set executor.url=http://HEAD:PORT --host 0.0.0.0 --public-url http://THIS_NODE:PORT
 set -euo pipefail
+CALLER=$PWD  # --config and --run-dir are read from where the command was given; the rest runs from the repo
 cd "$(dirname "$0")"
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
@@ -43,8 +44,8 @@ MASTER_ADDR_ARG=""
 MASTER_PORT_ARG=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    --config) CONFIG=$2; shift 2 ;;
-    --run-dir) RUN_DIR=$2; shift 2 ;;
+    --config) CONFIG=$2; [[ $CONFIG = /* ]] || [ ! -e "$CALLER/$CONFIG" ] || CONFIG=$CALLER/$CONFIG; shift 2 ;;
+    --run-dir) RUN_DIR=$2; [[ $RUN_DIR = /* ]] || RUN_DIR=$CALLER/$RUN_DIR; shift 2 ;;
     --set) SETS+=(--set "$2"); shift 2 ;;
     --workers) SETS+=(--set "launch.workers=$2"); shift 2 ;;
     --ref-gpu) SETS+=(--set "launch.ref_gpu=${2:-null}"); shift 2 ;;  # "": on the CPU

@@ -225,3 +225,16 @@ def test_resume_needs_a_checkpoint_and_a_fresh_run_never_starts_over_one(tmp_pat
         check_checkpoint_dir(run_dir / "checkpoints", resume=False)
     assert launch("--config", "configs/cpu_tiny.yaml", "--resume", "--dry-run", run_dir=run_dir).returncode == 0
     check_checkpoint_dir(run_dir / "checkpoints", resume=True)
+
+
+def test_paths_are_read_from_where_the_command_was_given(tmp_path):
+    """launch.sh runs from the repository, so `--config my.yaml --run-dir myrun` given elsewhere
+    looked for the config in the repository and would have put the run there (found in review)."""
+    (tmp_path / "my.yaml").write_text((ROOT / "configs" / "cpu_tiny.yaml").read_text())
+    out = subprocess.run(["bash", str(ROOT / "launch.sh"), "--config", "my.yaml", "--run-dir", "myrun", "--dry-run"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"run directory {tmp_path / 'myrun'}" in out.stdout and f"--config {tmp_path / 'my.yaml'}" in out.stdout
+    out = subprocess.run(["bash", str(ROOT / "launch.sh"), "--config", "configs/cpu_tiny.yaml", "--dry-run"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)  # the repository's own
+    assert out.returncode == 0 and "--config configs/cpu_tiny.yaml" in out.stdout, out.stderr
