@@ -745,3 +745,24 @@ def test_a_resume_trains_at_the_configs_lr_and_weight_decay(tmp_path):
     groups = resumed.scheduler.optimizer.param_groups
     assert all(g["weight_decay"] == 0.1 for g in groups)
     assert resumed.train_step(batch(4))["lr"] == pytest.approx(fresh.train_step(batch(4))["lr"])
+
+
+def test_a_broken_checkpoint_says_which_and_what_else_there_is(tmp_path):
+    """An empty `latest` gave a bare AssertionError and a truncated file torch's zip error, with no
+    word of the older checkpoint beside it (found in review)."""
+    tr = make_trainer("learner.keep_checkpoints=2")
+    for seed in (1, 2):
+        tr.train_step(batch(seed))
+        tr.save_checkpoint(tmp_path)
+    assert (tmp_path / "latest").read_text().strip() == "step000002"
+    states = next((tmp_path / "step000002").glob("*model_states.pt"))
+    states.write_bytes(states.read_bytes()[:1000])  # cut short, as by a kill mid-save
+    with pytest.raises(SystemExit, match=r"step000002 cannot be loaded .*there: step000001"):
+        make_trainer().load_checkpoint(tmp_path)
+    (tmp_path / "latest").write_text("")
+    with pytest.raises(SystemExit, match="names nothing, which is not a checkpoint"):
+        make_trainer().load_checkpoint(tmp_path)
+    (tmp_path / "latest").write_text("step000001")  # as the message says
+    resumed = make_trainer()
+    resumed.load_checkpoint(tmp_path)
+    assert resumed.step == 1

@@ -492,11 +492,22 @@ class Trainer:
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> dict | None:
         """The saved `run_state` ({} from checkpoints that have none), or None when there is no checkpoint."""
-        if not (Path(ckpt_dir) / "latest").exists():
+        latest = Path(ckpt_dir) / "latest"
+        if not latest.exists():
             return None
-        path, state = self.engine.load_checkpoint(str(ckpt_dir))
+        tag = latest.read_text().strip()
+        others = sorted(p.name for p in Path(ckpt_dir).glob("step*") if p.is_dir() and p.name != tag)
+        hint = (f"; to resume from an older one, write its name into {latest} (there: {', '.join(others)})"
+                if others else "")
+        if not tag or not (Path(ckpt_dir) / tag).is_dir():
+            raise SystemExit(f"learner: {latest} names {tag or 'nothing'}, which is not a checkpoint there{hint}")
+        try:
+            path, state = self.engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        except Exception as exc:  # a truncated file (a kill or a full disk mid-save): say which and what else
+            raise SystemExit(f"learner: checkpoint {Path(ckpt_dir) / tag} cannot be loaded "
+                             f"({type(exc).__name__}: {str(exc)[:200]}){hint}") from exc
         if path is None:
-            raise RuntimeError(f"could not load the DeepSpeed checkpoint in {ckpt_dir}")
+            raise SystemExit(f"learner: could not load the DeepSpeed checkpoint {Path(ckpt_dir) / tag}{hint}")
         self.step = int(state["step"])
         self.version = int(state["version"])
         self.samples_seen = int(state.get("samples_seen", 0))
