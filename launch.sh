@@ -301,6 +301,13 @@ for i in $(seq 0 $((WORKERS - 1))); do
 done
 wait_health executor "http://127.0.0.1:$EX_PORT/health" 120 TOOLRL_EXECUTOR_TOKEN
 wait_health ref_server "http://127.0.0.1:$REF_PORT/health" 600
+# /health takes no token: a reference server left from an earlier run on this port would pass it
+# while ours died of "address in use". Ours takes this run's token.
+if [ -z "$DRY_RUN" ] && ! "$PY" -c "import httpx, os, sys; t = os.environ.get('TOOLRL_REF_SERVER_TOKEN')
+sys.exit(httpx.get('http://127.0.0.1:$REF_PORT/stats', timeout=5, headers={'Authorization': f'Bearer {t}'} if t else {}).status_code != 200)" 2>/dev/null; then
+  echo "launch.sh: the server on port $REF_PORT refuses this run's token: another run's reference server holds the port; last lines of $RUN_DIR/logs/ref_server.log:" >&2
+  tail -n 5 "$RUN_DIR/logs/ref_server.log" >&2; exit 1
+fi
 # The learner starts while the workers load their engines (its imports and DeepSpeed set-up take
 # minutes on a small CPU); it waits for a registered worker before its first evaluation or batch.
 start learner "$LEARNER_AT" "${LEARNER_CMD[@]}"

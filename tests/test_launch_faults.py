@@ -143,3 +143,20 @@ def test_faults_through_launch_sh(tmp_path):
         if launch.poll() is None:
             os.killpg(launch.pid, signal.SIGINT)
             launch.wait(60)
+
+
+def test_a_reference_server_left_on_the_port_is_named_not_taken_for_ours(tmp_path):
+    """A reference server orphaned by an earlier launch (SIGKILLed) still answered /health, so
+    launch.sh said "ref_server ready" while its own had died of "address in use", and the run failed
+    later with a learner 401 that never named the port (found in review)."""
+    from procs import serve
+    from toolrl.config import load_config
+    from toolrl.refserver.app import create_app
+
+    ports = {"ex": free_port(), "ref": free_port(), "w": free_port()}
+    stale = create_app(load_config("configs/cpu_tiny.yaml", ["ref_server.token=an-earlier-runs-token"]))
+    with serve(stale, port=ports["ref"]):
+        launch = start(tmp_path / "run", ports, "--workers", "0")
+        out = stopped_cleanly(launch, {**ports, "ref": -1})  # the stale server is this test's
+    assert launch.returncode == 1
+    assert f"the server on port {ports['ref']} refuses this run's token" in out, out[-3000:]
