@@ -81,11 +81,12 @@ def last_boxed(text: str) -> str | None:
 
 def extract_answer(final_text: str) -> str | None:
     """The last \\boxed{} inside the last <answer> block of `final_text` (what the model wrote after
-    its last tool output)."""
+    its last tool output); None when there is none, or it is empty (an empty box answers nothing,
+    and earned the format reward)."""
     blocks = _ANSWER.findall(final_text)
     if not blocks:
         return None
-    return last_boxed(blocks[-1])
+    return last_boxed(blocks[-1]) or None
 
 
 # Numbers as answers

@@ -233,3 +233,11 @@ def test_a_recipe_pays_rewards_that_exist_and_fit_its_task():
         assert out.returncode == 1 and out.stderr.strip().endswith(
             "registered: ['code_format', 'correct', 'digit', 'format', 'mark', 'strict_format', 'tests', 'tool']")
         assert "Traceback" not in out.stderr and "config error: rewards.weights: unknown" in out.stderr
+
+
+def test_an_empty_box_answers_nothing_and_earns_no_format_reward():
+    """`\\boxed{}` counted as an answer for the format reward (found in review)."""
+    text = "<think>\nx\n</think>\n<answer>\n\\boxed{}\n</answer>"
+    assert extract_answer(text) is None
+    comps, _ = score(comp(text), "4", RewardConfig(weights={"format": 1.0}))
+    assert comps == {"correct": 0.0, "format": 0.0}
