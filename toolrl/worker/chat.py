@@ -148,3 +148,6 @@ def main(argv: list[str] | None = None) -> None:
         except ExecutorRefused as exc:
             print(f"inference.py: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
+        except KeyboardInterrupt:  # Ctrl-C mid-answer: stop, as at the prompt, without a traceback
+            console.print("\n[dim]stopped[/]")
+            raise SystemExit(130) from None
