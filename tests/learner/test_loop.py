@@ -252,3 +252,23 @@ def test_a_full_disk_costs_the_checkpoint_not_the_run_or_its_export(tmp_path, mo
     assert not (tmp_path / "checkpoints" / "step000002").exists()
     assert "checkpoint step000002 failed" in caplog.text and "step000001" in caplog.text
     assert len((tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_resumed_learner_outnumbers_the_lost_policies_so_their_samples_are_stale():
+    """learner.py --resume beside live workers: they hold weights trained after the checkpoint and
+    then lost (v7 here, checkpoint v5). The resumed policy took v8, so with max_staleness 1 the v7
+    samples still queued were trained as its own (found in review): now they are stale."""
+    from toolrl.learner.loop import resumed_version
+    from toolrl.refserver.queue import SampleQueue
+
+    assert resumed_version(5, -1, 1) == 5 and resumed_version(5, 3, 1) == 5  # no worker, or behind: as saved
+    assert resumed_version(5, 5, 1) == 6  # the checkpoint's own weights: above, and its samples kept
+    version = resumed_version(5, 7, 1)
+    q = SampleQueue(max_samples=100, max_bytes=1 << 20, max_staleness=1)
+    q.learner_version = version
+    lost, resumed = group("lost", [1.0, 0.0]), group("resumed", [1.0, 0.0])
+    for s in lost:
+        s.policy_version = 7
+    for s in resumed:
+        s.policy_version = version
+    assert all(q.is_stale(s) for s in lost) and not any(q.is_stale(s) for s in resumed)

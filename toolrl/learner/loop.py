@@ -51,6 +51,17 @@ def from_rank0(value, world: int):
     return box[0]
 
 
+def resumed_version(checkpoint: int, ahead: int, max_staleness: int) -> int:
+    """The policy version a resumed learner takes, given the newest version a live worker holds.
+    Above every worker's, so that its push is taken as newer. A worker at the checkpoint's version
+    holds its very weights. Workers past it hold weights trained after it and then lost: the resumed
+    policy's version is far enough above theirs that their samples still queued are stale (dropped,
+    to be generated again on the resumed policy), not trained as if they were its own."""
+    if ahead < checkpoint:
+        return checkpoint
+    return checkpoint + 1 if ahead == checkpoint else ahead + 1 + max_staleness
+
+
 def check_checkpoint_dir(ckpt_dir: Path, resume: bool) -> None:
     """--resume needs a checkpoint, and a fresh run must not start over one: at its first save the
     keep policy deleted the earlier run's checkpoints (and `latest` pointed at the new run)."""
@@ -104,8 +115,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
             # Workers may hold weights newer than the checkpoint (trained after it, then lost): the
             # resumed policy gets a version above all of them, so nothing mistakes it for older.
             ahead = max([int(w.get("policy_version", 0)) for w in ref.workers()] + [-1])
-            if ahead >= trainer.version:
-                trainer.version = ahead + 1
+            trainer.version = resumed_version(trainer.version, ahead, cfg.ref_server.max_staleness)
         trainer.version = from_rank0(trainer.version, world)
         named = state()  # every rank: a ZeRO-3 gather is collective
         if rank0:
