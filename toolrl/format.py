@@ -96,7 +96,7 @@ _TEXT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}")
 _WORDS = re.compile(r"[A-Za-z]+\.?$")  # 260 pages
 _DECORATION = re.compile(r"\\[,!;: ]|\\?\$|\\?%|~|\s")  # thin spaces, dollars, percent, spaces
 _DECIMAL = re.compile(r"[+-]?\d+(?:\.\d+)?\.?")
-_FRACTION = re.compile(r"[+-]?(?:\\[dt]?frac\{(\d+)\}\{(\d+)\}|(\d+)/(\d+))")
+_FRACTION = re.compile(r"[+-]?(?:\\[dt]?frac(?:\{(\d+)\}\{(\d+)\}|(\d)(\d))|(\d+)/(\d+))")  # \frac12 too
 
 
 def _bare(s: str) -> str:
@@ -118,7 +118,7 @@ def number_value(text: str) -> Fraction | None:
     m = _FRACTION.fullmatch(bare)
     if m is None:
         return None
-    num, den = (int(x) for x in (m.group(1, 2) if m.group(1) else m.group(3, 4)))
+    num, den = (int(x) for x in next(pair for pair in (m.group(1, 2), m.group(3, 4), m.group(5, 6)) if pair[0]))
     if den < 2 or math.gcd(num, den) != 1:
         return None
     return Fraction(-num if bare.startswith("-") else num, den)
