@@ -203,6 +203,7 @@ def test_a_calculation_in_the_box_is_not_a_number_answered():
         assert is_correct(number, "260"), number
     assert is_correct("1,234", "1234") and is_correct(r"-\frac{1}{2}", "-0.5") and is_correct("3/4", "0.75")
     assert not is_correct("261", "260") and not is_correct(r"\frac{2}{4}", "0.5") and not is_correct("", "0")
+    assert is_correct(r"\frac12", "0.5") and not is_correct(r"\frac24", "0.5")
 
 
 def test_a_recipe_pays_rewards_that_exist_and_fit_its_task():
