@@ -6,5 +6,13 @@ key or a bad value exits non-zero with one line that names it.
 """
 from toolrl.config import main
 
+
+def rewards_fit_the_task(cfg) -> None:
+    """Every reward the config weighs is registered and fits its task (toolrl.worker.rewards)."""
+    from toolrl.worker.rewards import check_reward_config  # lazy: it loads torch; --get and --print stay fast
+
+    check_reward_config(cfg)
+
+
 if __name__ == "__main__":
-    main()
+    main(checks=(rewards_fit_the_task,))

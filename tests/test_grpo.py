@@ -590,5 +590,8 @@ def test_config_defaults_and_checks():
     with pytest.raises(ValueError):
         GRPOConfig(std="bessel")
     GRPOConfig(loss_type="cispo", epsilon_high=5.0)
-    GRPOConfig(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
+    GRPOConfig(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_mask",
                vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=None)
+    with pytest.raises(ValueError, match="unbounded"):  # a sequence's ratio overflows without an upper bound
+        GRPOConfig(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
+                   vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=None)

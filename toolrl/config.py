@@ -11,6 +11,7 @@ import copy
 import os
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 import yaml
@@ -700,8 +701,10 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(redacted(cfg), sort_keys=False)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python config.py --config FILE [--set k=v ...] [--print | --get KEY ...]`: check, print or query a config."""
+def main(argv: list[str] | None = None, checks: tuple[Callable[[Config], None], ...] = ()) -> None:
+    """`python config.py --config FILE [--set k=v ...] [--print | --get KEY ...]`: check, print or query a config.
+    `checks` run in check mode only (ValueError: one line): what the config cannot know alone, such as
+    the registered rewards (config.py passes those; this module imports no package)."""
     parser = argparse.ArgumentParser(prog="config.py", description="check, print or query the one config of the system")
     add_config_args(parser)
     parser.add_argument("--print", action="store_true", help="print the resolved config as YAML")
@@ -722,10 +725,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.print:
         print(dump_config(cfg), end="")
     else:
-        from toolrl.worker.rewards import check_reward_config  # lazy: torch; only the check needs the registry
-
         try:
-            check_reward_config(cfg)
+            for check in checks:
+                check(cfg)
         except ValueError as exc:
             raise SystemExit(f"config error: {exc}") from None
         print("config OK")
