@@ -26,7 +26,7 @@ _spec = importlib.util.spec_from_file_location(
 _format = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_format)
 extract_answer, THINK_ANSWER = _format.extract_answer, _format.THINK_ANSWER
-asks_for_number, answers_number = _format.asks_for_number, _format.answers_number
+grade_plainly = _format.grade_plainly
 VERIFY_TIMEOUT_S = 5
 
 
@@ -45,12 +45,8 @@ def _verify(pred: str, gold: str, timeout_s: int = VERIFY_TIMEOUT_S) -> bool:
 
 
 def is_correct(pred: str | None, gold: str) -> bool:
-    if pred is None or not pred.strip():
-        return False
-    if pred.strip() == gold.strip():  # exact match needs no parser
-        return True
-    if asks_for_number(gold):  # only a number answers it, compared exactly (toolrl/format.py)
-        return answers_number(pred, gold)
+    if (plain := grade_plainly(pred, gold)) is not None:  # no answer, the same text, or numbers
+        return plain
     return _verify(pred, gold)
 
 

@@ -10,8 +10,8 @@ import argparse
 import copy
 import os
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml

@@ -124,15 +124,19 @@ def number_value(text: str) -> Fraction | None:
     return Fraction(-num if bare.startswith("-") else num, den)
 
 
-def asks_for_number(gold: str) -> bool:
-    """The ground truth is a plain number (arithmetic, GSM8K): only a number answers it."""
-    return _DECIMAL.fullmatch(_bare(gold)) is not None
-
-
-def answers_number(pred: str, gold: str) -> bool:
-    """`pred` is a number equal to `gold` (a plain number); "13 \\times 20 = 260" answers 260."""
+def grade_plainly(pred: str | None, gold: str) -> bool | None:
+    """Whether `pred` answers `gold` where no parser is needed, None where math-verify must decide:
+    no answer is wrong, the same text is right, and a plain-number ground truth (arithmetic, GSM8K)
+    is answered only by a number of that value ("13 \\times 20 = 260" answers 260; `13 * 20` does not)."""
+    if pred is None or not pred.strip():
+        return False
+    if pred.strip() == gold.strip():
+        return True
+    gold_bare = _bare(gold)
+    if not _DECIMAL.fullmatch(gold_bare):
+        return None
     value = number_value(pred.rsplit("=", 1)[-1])
-    return value is not None and value == number_value(gold)
+    return value is not None and value == Fraction(gold_bare.rstrip("."))
 
 
 def _layout(*parts: str) -> re.Pattern:

@@ -105,7 +105,8 @@ def rates(samples: list[Sample], fmt: str = "format") -> dict:
 def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
     """Reward per component and source, GRPO's signal, accuracy, lengths, tool use and staleness of
     one training batch. Every figure but `samples` and `reward_teacher/*` is over the policy samples."""
-    policy = [s for s in samples if s.source == "policy"] or samples
+    own = [s for s in samples if s.source == "policy"]
+    policy = own or samples
     out: dict[str, float] = {"samples": len(samples)}
     comps = sorted({k for s in policy for k in s.rewards})
     for k in comps:
@@ -127,7 +128,7 @@ def batch_stats(samples: list[Sample], version: int) -> dict[str, float]:
     out["response_len"] = statistics.fmean([sum(s.loss_mask) for s in policy])
     out["completion_len"] = r["mean_completion_tokens"]
     out["tool_calls_per_sample"] = r["tool_calls_per_answer"]
-    out["tool_calls"] = sum(len(s.tool_calls) for s in samples if s.source == "policy")  # the policy's, counted
+    out["tool_calls"] = sum(len(s.tool_calls) for s in own)  # the policy's own, counted
     out["tool_error_rate"] = r["tool_error_rate"]
     stale = Counter(version - s.policy_version for s in policy)  # by each sample's oldest token
     out["staleness_mean"] = sum(k * v for k, v in stale.items()) / len(policy)

@@ -16,9 +16,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import AsyncIterator
 from typing import Callable
 
 import httpx
@@ -408,9 +408,12 @@ class LocalService:
 
     def start(self) -> "LocalService":
         out = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        env = {**os.environ, **{k: v for k, v in self.env.items() if v is not None}}
-        for k in [k for k, v in self.env.items() if v is None]:
-            env.pop(k, None)
+        env = dict(os.environ)
+        for k, v in self.env.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
         self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], cwd=self.cwd, stdout=out,
                                      stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:  # whatever interrupts the wait (timeout, Ctrl-C), the service we started goes too

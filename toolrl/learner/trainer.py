@@ -38,6 +38,7 @@ from toolrl.protocol import TRUNCATED, Sample
 SUM_KEYS = ("loss_grpo", "loss_sft_teacher", "loss_sft_self", "kl_sum", "entropy_sum", "clip_sum", "ratio_sum",
             "tokens", "tokens_real", "tokens_padded", "mis_masked_tokens")
 
+
 class Trainer:
     def __init__(self, cfg: Config, model_path: str):
         import deepspeed  # lazy, as transformers: importing this module (micro-batching, tests) needs neither
@@ -205,7 +206,6 @@ class Trainer:
                  "sft_teacher": sum(1 for s in samples if roles[id(s)][Role.TEACHER]),
                  "sft_self": sum(1 for s in samples if roles[id(s)][Role.SELF])}
         self._whole_batch(sums, local)
-        done["micro"] = local["micro"]
         out = self._metrics(sums, local, done, time.time() - t0)
         out["samples_no_signal"] = local["no_signal"] / max(1, g.updates_per_batch)
         out["truncated_masked"] = local["masked"]
@@ -396,7 +396,7 @@ class Trainer:
             # DeepSpeed measures it under ZeRO-1/2/3 and fp16/bf16 only: NaN where it did not, never 0
             "grad_norm": _or_nan(self.engine.get_global_grad_norm()) if applied else float("nan"),
             "lr": self.lr(),
-            "micro_batches": done["micro"],
+            "micro_batches": counts["micro"],
             "skipped_micro_batches": done["skipped_micro"],
             "optimizer_steps": done["steps"],
             "step_applied": done["applied"] / steps,
@@ -516,11 +516,10 @@ class Trainer:
         # the config's lr and weight_decay hold on resume, as warmup, schedule and steps do (a changed
         # lr was silently ignored)
         lc = self.cfg.learner
-        for group in self.scheduler.optimizer.param_groups:
-            if (group.get("initial_lr"), group["weight_decay"]) != (lc.lr, lc.weight_decay) and self.rank == 0:
-                print(f"resumed with learner.lr {lc.lr:g} and weight_decay {lc.weight_decay:g} (the checkpoint's: "
-                      f"{group.get('initial_lr', float('nan')):g}, {group['weight_decay']:g})", flush=True)
-                break
+        saved = self.scheduler.optimizer.param_groups[0]  # every group was made with the same two
+        if (saved.get("initial_lr"), saved["weight_decay"]) != (lc.lr, lc.weight_decay) and self.rank == 0:
+            print(f"resumed with learner.lr {lc.lr:g} and weight_decay {lc.weight_decay:g} (the checkpoint's: "
+                  f"{saved.get('initial_lr', float('nan')):g}, {saved['weight_decay']:g})", flush=True)
         for group in self.scheduler.optimizer.param_groups:
             group["initial_lr"], group["weight_decay"] = lc.lr, lc.weight_decay
         self.scheduler.base_lrs = [lc.lr] * len(self.scheduler.base_lrs)

@@ -26,7 +26,7 @@ from typing import Callable
 
 from toolrl.config import Config, RewardConfig
 from toolrl.format import (ANSWER_CLOSE, ANSWER_OPEN, THINK_ANSWER, THINK_ANSWER_STRICT, THINK_CLOSE, THINK_CODE,
-                           THINK_OPEN, answers_number, asks_for_number, extract_answer)
+                           THINK_OPEN, extract_answer, grade_plainly)
 from toolrl.protocol import ToolCall
 from toolrl.tasks import Grading, get_task
 from toolrl.tasks.code.judge import TestResult
@@ -142,12 +142,8 @@ atexit.register(_verifier.close)  # shut the child down before interpreter teard
 
 
 def is_correct(pred: str | None, gold: str, timeout_s: float = 5.0) -> bool:
-    if pred is None or not pred.strip():
-        return False
-    if pred.strip() == gold.strip():  # exact match needs no parser
-        return True
-    if asks_for_number(gold):  # only a number answers it, compared exactly (toolrl.format)
-        return answers_number(pred, gold)
+    if (plain := grade_plainly(pred, gold)) is not None:  # no answer, the same text, or numbers
+        return plain
     _verifier.timeout_s = timeout_s
     return _verifier(pred, gold)
 
