@@ -15,20 +15,24 @@ def test_run_directory_means_its_export(tmp_path):
         resolve_run_model(str(tmp_path.parent))
 
 
-def test_a_missing_run_or_unknown_model_is_one_line_before_anything_starts(tmp_path):
+def test_a_missing_run_or_unknown_model_is_one_line_before_anything_starts(tmp_path, monkeypatch):
     """inference.py --model runs/typo-run took the name for a hub id: 57 s, then a 77-line traceback
-    from the hub; an unknown name failed the same way after the executor had started (found in review)."""
+    from the hub; an unknown name failed the same way after the executor had started (found in review).
+    It runs where runs/ exists (a clean clone has none until a run: CI's did not, so runs/typo-run
+    was a hub id there)."""
     import subprocess
     import sys
 
     from toolrl.models import resolve_run_model
 
     root = Path(__file__).resolve().parent.parent
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
     for bad, needle in (("runs/typo-run", "no such run or model directory: runs/typo-run"),
                         ("nosuch-model", "unknown model 'nosuch-model'")):
         with pytest.raises(FileNotFoundError, match=needle):
             resolve_run_model(bad)
-        out = subprocess.run([sys.executable, "inference.py", "--model", bad, "what is 2+2?"], cwd=root,
+        out = subprocess.run([sys.executable, str(root / "inference.py"), "--model", bad, "what is 2+2?"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"inference.py: {needle}"), lines
