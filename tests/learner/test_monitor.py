@@ -65,3 +65,35 @@ def test_the_step_line_says_whether_grpo_has_signal():
     assert "w_teacher" not in line and "kl" not in line
     both = step_line(3, 10, m, teacher=True, kl=True)
     assert "w_teacher 0.50" in both and "kl 0.0000" in both
+
+
+def test_a_dead_wandb_service_does_not_stop_training(tmp_path):
+    """A SIGTERM to the learner's process group (launch.sh's Ctrl-C, a preemption) also reaches
+    WandB's service process: the learner's next wandb.log raised ConnectionResetError and the run
+    died before it could save its checkpoint (found by the Ctrl-C test). Real offline WandB here."""
+    import subprocess
+
+    script = """
+import logging, sys
+import psutil
+from toolrl.config import load_config
+from toolrl.learner.monitor import Monitor
+logging.basicConfig(level=logging.INFO)
+mon = Monitor(load_config(None, ["logging.wandb_mode=offline", "logging.tensorboard=false"]), sys.argv[1])
+mon.log(1, {"loss": 1.0})
+service = psutil.Process().children(recursive=True)
+assert service, "no WandB service process"
+for p in service:
+    p.terminate()
+psutil.wait_procs(service, timeout=30)
+mon.log(2, {"loss": 2.0})
+mon.log(3, {"loss": 3.0})
+mon.close()
+print("trained on")
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=180,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0 and "trained on" in out.stdout, out.stderr[-3000:]
+    assert out.stderr.count("WandB stopped logging") == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0)]

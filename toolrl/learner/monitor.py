@@ -3,11 +3,14 @@ rank 0 only, each with every numeric metric of a step, plus one console line per
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 
 from toolrl.config import redacted
+
+log = logging.getLogger("learner")
 
 
 class Monitor:
@@ -58,13 +61,32 @@ class Monitor:
                 self.tb.add_scalar(k, v, step)
             self.tb.flush()
         if self.wandb is not None:
-            self.wandb.log(values, step=step)
+            try:
+                self.wandb.log(values, step=step)
+            except Exception as exc:
+                self._lose_wandb(exc)
+
+    def _lose_wandb(self, exc: Exception) -> None:
+        """WandB's service process is gone (a SIGTERM to the whole process group, as a preemption
+        sends, or the OOM killer): a logger must not stop training, and metrics.jsonl has every step."""
+        import wandb
+
+        log.warning("WandB stopped logging (%s: %s); metrics.jsonl and TensorBoard go on",
+                    type(exc).__name__, exc)
+        self.wandb = None
+        try:
+            wandb.teardown()  # unhooks its exit handler, which would print the same failure again at exit
+        except (Exception, SystemExit):
+            pass
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            try:
+                self.wandb.finish()
+            except Exception as exc:
+                self._lose_wandb(exc)
 
 
 def step_line(step: int, steps: int, m: dict, teacher: bool = False, kl: bool = False) -> str:
