@@ -179,17 +179,29 @@ declare -A PIDS=()
 declare -A REPORTED=()
 STARTED_AT=$(date +%s)
 stop_all() {
-  trap - EXIT INT TERM
+  trap - EXIT
+  trap 'FORCE=1' INT TERM  # a second Ctrl-C: no more waiting, but nothing is left running either
+  FORCE=
+  # The learner first, while the reference server still answers: on SIGTERM it saves a checkpoint
+  # (after the step it is in) and exits; its launcher kills it after 30 s (toolrl/learner/preemption.py).
+  # Its whole process group is waited for: the deepspeed command at its head dies of SIGTERM at once.
+  if [ -n "${PIDS[learner]:-}" ] && kill -TERM -- "-${PIDS[learner]}" 2>/dev/null; then
+    for _ in $(seq 1 140); do
+      { [ -z "$FORCE" ] && kill -0 -- "-${PIDS[learner]}" 2>/dev/null; } || break
+      sleep 0.25
+    done
+  fi
   for name in "${!PIDS[@]}"; do kill -TERM -- "-${PIDS[$name]}" 2>/dev/null || true; done
   for _ in $(seq 1 40); do
     alive=0
     for name in "${!PIDS[@]}"; do kill -0 "${PIDS[$name]}" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break
+    [ $alive = 0 ] || [ -n "$FORCE" ] && break
     sleep 0.25
   done
   for name in "${!PIDS[@]}"; do kill -KILL -- "-${PIDS[$name]}" 2>/dev/null || true; done
 }
-trap 'echo "launch.sh: stopping everything"; stop_all; exit 130' INT TERM
+trap 'echo "launch.sh: stopping everything (the learner saves a checkpoint first; Ctrl-C again: at once)"; stop_all
+      { grep -h "^stopped by" "$RUN_DIR/logs/learner.log" 2>/dev/null || true; } | tail -1; exit 130' INT TERM
 trap 'stop_all' EXIT
 
 start() {  # start NAME GPUS CMD...: its own session (process group), log file and GPUs

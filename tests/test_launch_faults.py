@@ -160,3 +160,29 @@ def test_a_reference_server_left_on_the_port_is_named_not_taken_for_ours(tmp_pat
         out = stopped_cleanly(launch, {**ports, "ref": -1})  # the stale server is this test's
     assert launch.returncode == 1
     assert f"the server on port {ports['ref']} refuses this run's token" in out, out[-3000:]
+
+
+def test_ctrl_c_saves_the_steps_trained_since_the_last_checkpoint(tmp_path):
+    """Ctrl-C on launch.sh (a preemption's SIGTERM alike) killed the learner with everything else:
+    every step since its last `checkpoint_every` save was lost. Now the learner is stopped first and
+    saves a checkpoint of the step it reached, which --resume continues from."""
+    import re
+
+    ports = {"ex": free_port(), "ref": free_port(), "w": free_port()}
+    run_dir = tmp_path / "run"
+    launch = start(run_dir, ports, "--set", "learner.checkpoint_every=1000")  # none but the stop's
+    try:
+        wait_for("three steps", lambda: steps_done(run_dir) >= 3, 900, launch)
+        os.killpg(launch.pid, signal.SIGINT)  # a terminal's Ctrl-C: launch.sh's group (services have their own)
+        out = stopped_cleanly(launch, ports)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGINT)
+            launch.wait(60)
+    assert launch.returncode == 130 and "the learner saves a checkpoint first" in out, out[-2000:]
+    log = (run_dir / "logs" / "learner.log").read_text()
+    m = re.search(r"stopped by SIGTERM after step (\d+); continue with --resume", log)
+    assert m and int(m[1]) >= 3, log[-3000:]
+    assert m[0] in out, out[-2000:]  # launch.sh passes the learner's last word on
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{int(m[1]):06d}"
+    assert "Traceback" not in log, log[-3000:]

@@ -272,3 +272,49 @@ def test_a_resumed_learner_outnumbers_the_lost_policies_so_their_samples_are_sta
     for s in resumed:
         s.policy_version = version
     assert all(q.is_stale(s) for s in lost) and not any(q.is_stale(s) for s in resumed)
+
+
+def test_sigterm_while_waiting_for_a_batch_saves_the_step_reached_and_exits(tmp_path, capsys):
+    """A preemption's SIGTERM (toolrl/learner/preemption.py) while the loop waits for a batch: it
+    leaves the wait at the next draw round, saves a checkpoint of the step it reached (none was due:
+    checkpoint_every 0) and exits 143, well within a launcher's 30 s grace."""
+    import signal
+    import threading
+    import time
+
+    from toolrl.learner.loop import run
+
+    cfg = load_config("configs/cpu_tiny.yaml", [
+        "logging.wandb_mode=disabled", "learner.dtype=float32", "grpo.beta=0", "learner.steps=5",
+        "learner.batch_samples=4", "learner.batch_tokens=100000", "learner.checkpoint_every=0",
+        "learner.batch_timeout_s=120", "eval.before_after=false", "ref_server.flow_control=false",
+        "ref_server.batch_wait_s=1", "ref_server.max_staleness=4"])
+    metrics = tmp_path / "logs" / "metrics.jsonl"
+    sent = []
+
+    def preempt_after_step_1():
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            time.sleep(0.2)
+        time.sleep(2)  # the loop is waiting for its second batch, which never comes
+        sent.append(time.time())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with serve(create_app(cfg)) as url:
+            asyncio.run(upload(url, [group("a", [1.0, 0.0, 0.0, 1.0])]))
+            threading.Thread(target=preempt_after_step_1, daemon=True).start()
+            with pytest.raises(SystemExit) as stopped:
+                run(cfg.model_copy(update={"ref_server": cfg.ref_server.model_copy(update={"url": url})}),
+                    tmp_path, resume=False)
+        took = time.time() - sent[0]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stopped.value.code == 143
+    assert signal.getsignal(signal.SIGTERM) is before  # the loop put the handler back
+    out = capsys.readouterr().out
+    assert "SIGTERM received while waiting for a batch; stopping after step 1" in out, out
+    assert "stopped by SIGTERM after step 1; continue with --resume" in out, out
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step000001"
+    assert not (tmp_path / "export").exists()  # a stop is not the run's end: no export, no final evaluation
+    assert took < 15, took

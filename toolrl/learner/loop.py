@@ -19,6 +19,7 @@ from toolrl.learner.batching import downsample, gather_batch
 from toolrl.learner.cpu_threads import ThreadGovernor
 from toolrl.learner.dist_env import check_shared_dir
 from toolrl.learner.monitor import Monitor, step_line
+from toolrl.learner.preemption import Preempted, StopRequest
 from toolrl.learner.schedules import TeacherWeight, out_of_time
 from toolrl.learner.trainer import Trainer
 from toolrl.metrics import batch_stats
@@ -157,7 +158,10 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         batch, on every rank together: rank 0 finds who is behind and, if anyone is, every rank takes
         part in the export (under ZeRO-3 a collective gather) and rank 0 sends it. Ranks draw their
         shares a different number of times, so a rank whose share is complete goes on joining rounds
-        (drawing False) until none draws. -> whether some rank still draws."""
+        (drawing False) until none draws. -> whether some rank still draws. A stop asked for by a
+        signal on any rank leaves the wait on every rank (Preempted)."""
+        if trainer.all_agree(bool(stop)):
+            raise Preempted
         behind = sync.behind(trainer.version) if rank0 else []
         if trainer.all_agree(bool(behind)):
             named = state()
@@ -190,6 +194,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
 
     if cfg.eval.before_after and trainer.step == 0:
         held_out("before")
+    stop, preempted = StopRequest(), False  # from here a SIGTERM saves what was trained, then exits
     # training time counts across resumes, so a time budget is one budget for the whole run
     train_t0, last_step_s = time.time() - float((run_state or {}).get("train_elapsed_s", 0.0)), 0.0
     elapsed = lambda: time.time() - train_t0  # noqa: E731
@@ -203,7 +208,10 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         elif out_of_time(cfg.learner.run_budget_s, run_s, last_step_s, final_eval_s):
             why = (f"run budget: {run_s:.0f}s of {cfg.learner.run_budget_s:.0f}s used, a step takes "
                    f"{last_step_s:.0f}s and the final evaluation about {final_eval_s:.0f}s")
-        if trainer.all_agree(why is not None):  # one all-reduce for both budgets
+        if stop:
+            why = f"{stop.name} received"
+        if trainer.all_agree(why is not None):  # one all-reduce for both budgets and a signal
+            preempted = trainer.all_agree(bool(stop))
             if rank0:
                 print(f"{why or 'another rank is out of its budget'}; stopping after step {trainer.step}", flush=True)
             break
@@ -214,10 +222,17 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
             catch_up(drawing=True)  # late workers get the policy while we wait
             return ref.get_batch(n, tokens, wait_s=min(10.0, cfg.ref_server.batch_wait_s), min_samples=n) or []
 
-        got = gather_batch(draw, want, budget, t0 + cfg.learner.batch_timeout_s, cfg.grpo.dynamic_sampling,
-                           cfg.grpo.max_draws, what=cfg.ref_server.url)
-        while world > 1 and catch_up(drawing=False):  # this rank's share is complete; others still draw
-            pass
+        try:
+            got = gather_batch(draw, want, budget, t0 + cfg.learner.batch_timeout_s, cfg.grpo.dynamic_sampling,
+                               cfg.grpo.max_draws, what=cfg.ref_server.url)
+            while world > 1 and catch_up(drawing=False):  # this rank's share is complete; others still draw
+                pass
+        except Preempted:  # the batch drawn so far stays unused: its samples are lost, not trained twice
+            preempted = True
+            if rank0:
+                print(f"{stop.name} received while waiting for a batch; stopping after step {trainer.step}",
+                      flush=True)
+            break
         batch = got.samples
         t1 = time.time()
         if cfg.learner.lr_decay_over == "time":  # the config requires a time budget then
@@ -274,6 +289,23 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         if cfg.eval.every and trainer.step % cfg.eval.every == 0 and trainer.step < cfg.learner.steps:
             held_out("every")
 
+    def close() -> None:
+        stop.restore()
+        if governor:
+            governor.stop()
+        monitor.close()
+        ref.close()
+        trainer.close()
+        logging.shutdown()
+
+    if preempted:  # within the launcher's grace: the checkpoint only (no export, no evaluation)
+        if trainer.step:
+            checkpoint()
+        if rank0:
+            print(f"stopped by {stop.name} after step {trainer.step}; continue with --resume "
+                  f"(checkpoints: {ckpt_dir})", flush=True)
+        close()
+        raise SystemExit(stop.exit_code)
     if trainer.step % cfg.learner.sync_every:  # the workers (and the evaluation) get the final policy
         trainer.version += 1
         named = state()  # every rank: a ZeRO-3 gather is collective
@@ -295,10 +327,5 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         summary = {"steps": trainer.step, "policy_version": trainer.version, "samples": trainer.samples_seen,
                    "skipped_steps": trainer.skipped_steps, "export": str(export)}
         print(json.dumps(summary), flush=True)
-    if governor:
-        governor.stop()
-    monitor.close()
-    ref.close()
-    trainer.close()
-    logging.shutdown()
+    close()
 
