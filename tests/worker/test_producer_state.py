@@ -172,3 +172,21 @@ def test_groups_started_before_a_promotion_do_not_count_toward_the_new_levels_wi
     assert starts == [1, 1, 1, 2, 2, 2, 3, 3]
     # the third group (begun at level 1, done at 2) and the sixth (begun at 2, done at 3) count nowhere
     assert counted == [1, 1, 2, 2, 3, 3]
+
+
+def test_a_verifier_that_cannot_start_leaves_groups_out_and_keeps_the_worker(caplog):
+    """math-verify's child process failing to start (out of memory, a full /tmp) raised out of the
+    producer: each group was a `failed_groups` traceback and the fifth in a row stopped the worker,
+    where ARCHITECTURE says such a group is left out and counted (found in review)."""
+    from toolrl.worker.rewards import VerifierUnavailable
+
+    p = producer()
+    p.agent.score = lambda *a: (_ for _ in ()).throw(VerifierUnavailable("the math-verify child could not start"))
+
+    async def go():
+        return [g async for g in p.produce(n_groups=8)]
+    with caplog.at_level("WARNING"):
+        assert asyncio.run(go()) == []
+    stats = p.stats.as_dict()
+    assert (stats["unscored_groups"], stats["failed_groups"]) == (8, 0)
+    assert "could not grade the answers" in caplog.text

@@ -24,6 +24,7 @@ from toolrl.grpo import zero_variance
 from toolrl.protocol import Sample
 from toolrl.tasks import Problem, get_task, problem_stream
 from toolrl.worker.agent import Agent, agent_seed
+from toolrl.worker.rewards import VerifierUnavailable
 from toolrl.worker.rollout import FixedVersion, Rollout
 from toolrl.worker.teacher import teacher_sample
 
@@ -44,7 +45,7 @@ class Stats:
     stopped_at_end: int = 0  # groups in flight when the learner finished: stopped, never trained
     failed_groups: int = 0
     teacher_traces: int = 0
-    unscored_groups: int = 0  # code tasks whose tests the executor could not run
+    unscored_groups: int = 0  # groups the machine could not grade: tests not run, no verifier
     tool_unavailable_groups: int = 0  # a program the executor could not run: left out, not scored 0
     flow_waits: int = 0  # times a group could not start for want of room (flow control)
     upload_waits: int = 0
@@ -191,7 +192,12 @@ class Producer:
             self.stats.unscored_groups += 1
             log.warning("could not run the tests of %s, group dropped: %s", problem.id, exc)
             return None
-        group = await asyncio.to_thread(a.score, problem, rolls, gid, version, tests)
+        try:
+            group = await asyncio.to_thread(a.score, problem, rolls, gid, version, tests)
+        except VerifierUnavailable as exc:  # the machine's failure: no answer could be graded
+            self.stats.unscored_groups += 1
+            log.warning("could not grade the answers of %s, group left out: %s", problem.id, exc)
+            return None
         self.stats.count_group(rolls, group)
         # else it was drawn at a position a restore replaced, or before a promotion (an easier
         # level's group must not count toward the new level's window)
