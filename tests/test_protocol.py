@@ -241,6 +241,45 @@ def test_weight_buckets_round_trip_in_order(shapes, version):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+WEIGHTS = encode_weight_bucket([("a.weight", torch.randn(4, 4)), ("b.bias", torch.randn(3).bfloat16())], 3, 0, 1)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, len(WEIGHTS) - 1), st.integers(1, 255))
+def test_any_flipped_byte_of_a_weight_bucket_is_rejected_or_harmless(pos, xor):
+    """Through both readers (whole, and streamed as a worker reads it). Version 2's checksum left the
+    tensor table out: `F32` flipped to `I32` loaded 1e9-sized garbage into the weights (found in review)."""
+    from toolrl.weightsync.buckets import WeightBucketReader
+
+    bad = bytearray(WEIGHTS)
+    bad[pos] ^= xor
+    want = decode_weight_bucket(WEIGHTS)
+    try:
+        got = decode_weight_bucket(bytes(bad))
+    except WireFormatError:
+        pass
+    else:
+        assert [(n, t.dtype, t.shape) for n, t in got.tensors] == [(n, t.dtype, t.shape) for n, t in want.tensors]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got.tensors, want.tensors))
+    out = bytearray()
+    reader = WeightBucketReader(out.extend)
+    try:
+        reader.feed(bytes(bad))
+        reader.finish()
+    except WireFormatError:
+        return
+    assert bytes(out) == bytes(bad) and decode_weight_bucket(bytes(out)) is not None  # what it wrote is whole
+
+
+def test_a_flipped_dtype_in_the_tensor_table_is_refused():
+    """The reviewer's case, pinned: one byte, F32 -> I32."""
+    bad = bytearray(WEIGHTS)
+    at = WEIGHTS.index(b'"F32"') + 1
+    bad[at] = ord("I")
+    with pytest.raises(CorruptPayload, match="checksum"):
+        decode_weight_bucket(bytes(bad))
+
+
 def test_weight_bucket_defects():
     good = encode_weight_bucket([("a", torch.ones(3)), ("b", torch.zeros(2))], version=2, index=1, count=2)
     with pytest.raises(WireFormatError):

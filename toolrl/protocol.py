@@ -21,7 +21,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from safetensors.torch import load as st_load
 
-WIRE_VERSION = 2  # 2: an xxh3-64 checksum over the data region as laid out, checkable while streaming
+WIRE_VERSION = 3  # 2: an xxh3-64 checksum over the data region as laid out, checkable while streaming;
+# 3: the checksum covers the tensor table too (a flipped dtype byte in it loaded as garbage)
 SCHEMA_SAMPLES = "toolrl.samples"
 SCHEMA_REF_LOGPROBS = "toolrl.ref_logprobs"
 CONTENT_TYPE = "application/vnd.toolrl.safetensors"
@@ -189,11 +190,15 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def hasher(meta_json: str):
+def hasher(meta_json: str, table: dict):
+    """The checksum so far of a payload with meta `meta_json` and tensor table `table` (name ->
+    dtype, shape, offsets): both, then the data region is fed to it. The table is hashed in one
+    canonical form, so the reader needs only what it parsed."""
     import xxhash  # lazy: clients that never frame a payload need not load it
 
     h = xxhash.xxh3_64()
     h.update(meta_json.encode())
+    h.update(json.dumps(table, separators=(",", ":"), sort_keys=True).encode())
     return h
 
 
@@ -203,8 +208,8 @@ def frame(schema: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -
 
     Layout: tensors by element size, largest first, then by name, which keeps every offset aligned;
     `safetensors.torch.load` reads it like any safetensors file (tested). The checksum (xxh3-64,
-    about 7x faster than CRC32 here) covers the meta JSON and then the whole data region, so a
-    reader can check it as the bytes stream past."""
+    about 7x faster than CRC32 here) covers the meta JSON, the tensor table and then the whole data
+    region, so a reader can check it as the bytes stream past."""
     meta_json = json.dumps(meta, separators=(",", ":"), allow_nan=False)
     entries, views, offset = {}, [], 0
     for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
@@ -218,7 +223,7 @@ def frame(schema: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -
         offset += view.nbytes
         if view.nbytes:
             views.append(view)
-    h = hasher(meta_json)
+    h = hasher(meta_json, entries)
     for v in views:
         h.update(v)
     header = {"__metadata__": {"schema": schema, "version": str(WIRE_VERSION), "meta": meta_json,
@@ -283,13 +288,13 @@ def unpack(data: bytes, schema: str, max_bytes: int) -> tuple[dict[str, Any], di
         raise PayloadTooLarge(f"payload of {size} bytes is over the limit of {max_bytes}")
     if size < 8:
         raise CorruptPayload(f"payload of {size} bytes is too short to be safetensors")
-    header_len, _, meta_header = read_header(data, size, schema)
+    header_len, header, meta_header = read_header(data, size, schema)
     try:
         tensors = st_load(bytes(data))
     except Exception as exc:  # safetensors raises its own error types for every parse failure
         raise CorruptPayload(f"malformed safetensors body: {exc}") from None
     meta_json = meta_header["meta"]
-    h = hasher(meta_json)
+    h = hasher(meta_json, {k: v for k, v in header.items() if k != "__metadata__"})
     h.update(memoryview(data)[8 + header_len:])
     if meta_header.get("xxh3_64") != h.hexdigest():
         raise CorruptPayload("checksum mismatch: the payload was altered or truncated in transit")

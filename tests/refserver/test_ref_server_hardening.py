@@ -147,7 +147,7 @@ def _payload(header: bytes) -> bytes:
 def _payload_with_meta(meta_json: str) -> bytes:
     """A well-framed samples payload (no tensors, a valid checksum) whose meta JSON is `meta_json`."""
     md = {"schema": SCHEMA_SAMPLES, "version": str(WIRE_VERSION), "meta": meta_json,
-          "xxh3_64": hasher(meta_json).hexdigest()}
+          "xxh3_64": hasher(meta_json, {}).hexdigest()}
     return _payload(json.dumps({"__metadata__": md}).encode())
 
 

@@ -69,13 +69,13 @@ def test_the_codec_gives_back_the_new_bytes_exactly_for_every_dtype():
     new = b"".join(bytes(v) for v in new_views)
     assert base.tobytes() == new  # the learner's copy is now the new version
     region = bytearray(b"".join(bytes(v) for v in old_views))
-    h = hasher("m")
+    h = hasher("m", {})
     ap = DeltaApplier(region, 0, blocks, h)
     for a in range(0, len(body), 999):  # in pieces, as they arrive
         ap.feed(body[a:a + 999])
         while ap.step():
             pass
-    want = hasher("m")
+    want = hasher("m", {})
     want.update(new)
     ap.finish(want.hexdigest())
     assert bytes(region) == new
@@ -89,7 +89,7 @@ def test_a_corrupted_delta_is_an_error_never_a_wrong_weight():
     blocks, _ = block_plan(table)
     old = b"".join(bytes(v) for v in old_views)
     body = encode(new_views, np.frombuffer(old, dtype=np.uint8).copy(), blocks)
-    want = hasher("m")
+    want = hasher("m", {})
     want.update(b"".join(bytes(v) for v in new_views))
     bad_bodies = []
     for at in range(0, len(body), max(1, len(body) // 50)):  # a bit flipped anywhere
@@ -99,7 +99,7 @@ def test_a_corrupted_delta_is_an_error_never_a_wrong_weight():
     bad_bodies += [body[:-1], body + b"\0\0\0\0"]
     for bad in bad_bodies:
         region = bytearray(old)
-        ap = DeltaApplier(region, 0, blocks, hasher("m"))
+        ap = DeltaApplier(region, 0, blocks, hasher("m", {}))
         with pytest.raises(DeltaMismatch):
             ap.feed(bytes(bad))
             while ap.step():
@@ -108,7 +108,7 @@ def test_a_corrupted_delta_is_an_error_never_a_wrong_weight():
     # a delta applied to another base than its own: the result's checksum catches it
     other = bytearray(old)
     other[5] ^= 1
-    ap = DeltaApplier(other, 0, blocks, hasher("m"))
+    ap = DeltaApplier(other, 0, blocks, hasher("m", {}))
     ap.feed(bytes(body))
     while ap.step():
         pass

@@ -195,7 +195,7 @@ class WeightBucketReader:
         if self.size > self.total:
             raise CorruptPayload(f"payload runs past its declared {self.total} bytes")
         self.expected_hash = mh.get("xxh3_64")
-        self._hash = hasher(mh["meta"])
+        self._hash = hasher(mh["meta"], tensors)
         head, rest = bytes(self.head[:8 + hl]), bytes(self.head[8 + hl:])
         self.head = bytearray()
         self._hash.update(rest)

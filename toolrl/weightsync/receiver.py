@@ -314,7 +314,7 @@ class WeightAssembler:
             slot.map.move(8 + hl, base.data_at, data_len)
         hl = max(hl, old_hl)
         slot.map[:8 + hl] = struct.pack("<Q", hl) + target.header.ljust(hl)
-        return DeltaApplier(slot.map, 8 + hl, blocks, hasher(target.meta_json))
+        return DeltaApplier(slot.map, 8 + hl, blocks, hasher(target.meta_json, target.table))
 
     def discard(self, update: Update) -> None:
         """An update is loaded (or failed): drop its markers; the slot files stay for the next."""
