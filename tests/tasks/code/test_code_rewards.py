@@ -176,6 +176,44 @@ def test_humaneval_style_candidate_and_stdio_and_call_tasks(client):
     assert score(client, ["def f(x):\n    return {x: 'a', 'b': (1, 2)}\n"], mixed) == [1]
 
 
+def test_review_attacks_of_2026_11_29_pass_no_test_and_honest_twins_pass_all(client):
+    """Found in review, each passed tests it never solved: the tests read back from linecache (the
+    executor keeps the whole script for tracebacks) and answered by lookup; a first call that
+    unhooked the checker and rebound the function in the program's globals for every later test;
+    HumanEval's `check` (the setup) asserting unchecked; a callable instance agreeing through
+    arithmetic. Each beside an honest program the same spec passes whole."""
+    lookup = ("import linecache, re\n_src = ''.join(linecache.getlines('<code>'))\n"
+              "_n = r'(-?\\d+)'\n_t = {(int(a), int(b)): int(c)\n"
+              "      for a, b, c in re.findall(r'add\\(' + _n + ', ' + _n + r'\\) == ' + _n, _src)}\n"
+              "def add(a, b):\n    return _t.get((a, b), -99)\n")
+    unhook = ("class _Y:\n    def __eq__(self, o):\n        return True\n"
+              "def add(a, b):\n    g = globals()\n    g['__harness_checked__'] = lambda v: v\n"
+              "    g['add'] = lambda *a: _Y()\n    return -99\n")
+    assert score(client, [lookup, unhook, GOOD], ADD, per_test_timeout_s=2.0) == [0, 0, 3]
+
+    check = TestSpec("assert", tests=["check(candidate)"], entry_point="add",
+                     setup="def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(2, 2) == 4\n")
+    anything = ("class _Y:\n    def __eq__(self, o):\n        return True\n"
+                "class _F:\n    def __call__(self, *a):\n        return _Y()\nadd = _F()\n")
+    assert score(client, [anything, GOOD], check) == [0, 1]
+
+    near = TestSpec("assert", tests=["assert abs(candidate(1.0) - 0.5) < 1e-6"], entry_point="half")
+    zero = ("class _Z:\n    def __sub__(self, o):\n        return 0.0\n"
+            "class _F:\n    def __call__(self, *a):\n        return _Z()\nhalf = _F()\n")
+    assert score(client, [zero, "def half(x):\n    return x / 2\n"], near) == [0, 1]
+
+
+def test_a_script_may_print_from_its_own_thread(client):
+    """`threading.Thread(target=main).start()`, the competitive programmer's way to a bigger stack:
+    the harness refused any thread left running, so correct scripts scored 0 (found in review)."""
+    spec = TestSpec("stdio", inputs=["2 3\n", "10 -4\n"], outputs=["5", "6"])
+    threaded = ("import sys, threading, time\ndef main():\n    a, b = map(int, input().split())\n"
+                "    time.sleep(0.1)\n    print(a + b)\n"
+                "threading.stack_size(1 << 26)\nthreading.Thread(target=main).start()\n")
+    forever = "import threading, time\nthreading.Thread(target=lambda: time.sleep(99), daemon=True).start()\nprint(5)\n"
+    assert score(client, [threaded, forever], spec, per_test_timeout_s=1.0) == [2, 0]
+
+
 def test_partial_credit_survives_a_hang_in_a_later_test(client):
     spec = TestSpec("assert", tests=["assert f(1) == 1", "assert f(2) == 2", "assert f(0) == 0"])
     prog = "def f(x):\n    while x == 0:\n        pass\n    return x\n"

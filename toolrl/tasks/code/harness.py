@@ -14,10 +14,13 @@ def _toolrl_harness(program, spec):
     import hashlib
     import io
     import json
+    import linecache
     import os
     import signal
     import sys
+    import time
     write, exit_, read, settrace, setprofile = os.write, os._exit, os.read, sys.settrace, sys.setprofile
+    sleep = time.sleep
     listdir, dup, dup2, lseek, memfd, close = os.listdir, os.dup, os.dup2, os.lseek, os.memfd_create, os.close
     nonce = read(0, 256).decode().strip()
     os.close(0)
@@ -119,11 +122,16 @@ def _toolrl_harness(program, spec):
             report(-1, False, "threads")
             exit_(0)
 
-    def run(code, ns, timeout):
+    def run(code, ns, timeout, threads_finish=False):
         signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
             exec(code, ns)
+            # A script's own worker thread (`threading.Thread(target=main).start()`, the competitive
+            # programmer's way to a bigger stack) finishes within the test's time. Only for scripts:
+            # what they print is judged outside; a thread beside assert tests could patch the checker.
+            while threads_finish and len(listdir("/proc/self/task")) > 1:
+                sleep(0.002)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             restore()
@@ -169,54 +177,76 @@ def _toolrl_harness(program, spec):
         tree = ast.fix_missing_locations(Plainify().visit(ast.parse(src, name)))
         return compile(tree, name, "exec", dont_inherit=True, optimize=0)
 
-    timeout = spec["per_test_timeout_s"]
+    timeout, kind, entry = spec["per_test_timeout_s"], spec["kind"], spec.get("entry_point")
     try:
         compiled = compile(program, "<program>", "exec", dont_inherit=True, optimize=0)
     except BaseException:
         report(-1, False, "syntax")
         exit_(0)
-    if spec["kind"] == "assert":
+    if kind == "assert":
         tests = []  # compiled before the program runs, which cannot touch `ast` or `compile` by then
         for test in spec["tests"]:
             try:
                 tests.append(compile_test(test, "<test>"))
             except BaseException as exc:
                 tests.append(exc)
+        try:  # the setup (HumanEval's `def check(candidate)`) holds asserts too: checked alike
+            setup = compile_test(spec["setup"], "<setup>") if spec.get("setup") else None
+        except BaseException as exc:
+            report(-1, False, type(exc).__name__)
+            exit_(0)
+        # The tests now exist only as code. As text they were readable by the program: this whole
+        # script sits in linecache (the executor keeps it for tracebacks), so a program could parse
+        # the asserts and answer each by lookup (found in review: 143 of 164 HumanEval tasks).
+        spec.clear()
+        linecache.clearcache()
         ns = {"__name__": "__main__", "__builtins__": builtins}
         sys.stdout = sys.stderr = io.StringIO()
         try:
             run(compiled, ns, timeout)
-            if spec.get("setup"):
-                run(compile(spec["setup"], "<setup>", "exec", dont_inherit=True, optimize=0), ns, timeout)
         except BaseException as exc:  # SystemExit included: a program that exits defines nothing more
             report(-1, False, type(exc).__name__)
             exit_(0)
-        for k, v in list(ns.items()):
-            if callable(v) and getattr(getattr(v, "__code__", None), "co_filename", None) == "<program>":
-                ns[k] = guard(v)
-        if spec.get("entry_point"):
-            if spec["entry_point"] not in ns:
-                report(-1, False, "no " + spec["entry_point"])
+        # What the setup and the tests see: a copy of the program's namespace. The program's own
+        # functions keep `ns` as their globals, so what they rebind there (the checker, the function
+        # under test) never reaches the tests (found in review: a first call that unhooked the
+        # checker passed every later test).
+        base = dict(ns, __harness_checked__=checked)
+        if setup is not None:
+            try:
+                run(setup, base, timeout)
+            except BaseException as exc:
+                report(-1, False, type(exc).__name__)
                 exit_(0)
-            ns["candidate"] = ns[spec["entry_point"]]
+        # Everything callable that the program made is called through `guard` (its result must be
+        # plain data): functions, and callable instances and partials, which agreed with anything
+        # through arithmetic (`abs(candidate(x) - y) < 1e-6`). Classes (tests build instances of a
+        # program's class) and what the setup defined are left as they are.
+        for k, v in ns.items():
+            if base.get(k) is v and callable(v) and not isinstance(v, type) and not k.startswith("__"):
+                base[k] = guard(v)
+        if entry:
+            if entry not in base:
+                report(-1, False, "no " + entry)
+                exit_(0)
+            base["candidate"] = base[entry]
         # The tests see the real builtins and modules: a program's `def set(...)`, `def abs(...)` or
         # `math = ...` must not answer for them (the function under test keeps its name)
-        for k in [k for k in ns if k in real_builtins and k != spec.get("entry_point") and not k.startswith("__")]:
-            del ns[k]
+        for k in [k for k in base if k in real_builtins and k != entry and not k.startswith("__")]:
+            del base[k]
         for n, m, _ in snap:
-            if n in ns and ns[n] is not m:
-                ns[n] = m
-        ns["__harness_checked__"] = checked
+            if n in base and base[n] is not m:
+                base[n] = m
         for i, test in enumerate(tests):
             if isinstance(test, BaseException):
                 report(i, False, type(test).__name__)
                 continue
             try:
-                run(test, dict(ns), timeout)
+                run(test, dict(base), timeout)
                 report(i, True)
             except BaseException as exc:
                 report(i, False, type(exc).__name__)
-    elif spec["kind"] == "stdio":
+    elif kind == "stdio":
         devnull_fd = dup(0)
         for i, text in enumerate(spec["inputs"]):
             # The input on fd 0 and on sys.stdin, what is printed taken from fd 1 and sys.stdout: a
@@ -232,7 +262,7 @@ def _toolrl_harness(program, spec):
             sys.stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
             sys.stdout, sys.stderr = out, io.StringIO()
             try:
-                run(compiled, {"__name__": "__main__", "__builtins__": builtins}, timeout)
+                run(compiled, {"__name__": "__main__", "__builtins__": builtins}, timeout, threads_finish=True)
                 ok = True
             except SystemExit as exc:
                 ok = exc.code in (None, 0)
