@@ -57,6 +57,9 @@ def test_code_task_is_the_held_out_split_seeded_by_the_training_seed():
     train = load_problems(d)
     assert len(train) == 164 - 33 and not {p.id for p in train} & {p.id for p in held}
     assert {p.grading for p in held + train} == {"tests"}
+    # another seed (evaluate.py --seed, eval.seed) held out 29 of 33 problems that training saw (found in review)
+    with pytest.raises(DataError, match=r"seed 1 for code:humaneval: .* holds out problems it trained on"):
+        load_task("code:humaneval", 100, 1, d)
 
 
 def test_seeds_and_file_tasks():

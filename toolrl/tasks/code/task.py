@@ -9,7 +9,7 @@ from functools import partial
 from pathlib import Path
 
 from toolrl.config import DataConfig, TeacherConfig
-from toolrl.tasks.base import Problem, Task, Teacher, TeacherTrace
+from toolrl.tasks.base import DataError, Problem, Task, Teacher, TeacherTrace
 from toolrl.tasks.code.prepared import code_side, parse_prepared
 
 _CODE_THINKING = [
@@ -69,7 +69,13 @@ class CodeTask(Task):
         return train[:n] if n else train
 
     def heldout(self, arg: str, n: int, seed: int, data: DataConfig) -> list[Problem]:
-        named = (parse_prepared(arg) or (None, None))[1]  # prepared:DIR@train asks for the train side
+        prepared = parse_prepared(arg)
+        if prepared is None and seed != data.seed:
+            raise DataError(f"seed {seed} for code:{arg or 'humaneval'}: a code task's held-out side is that of "
+                            f"the split data.seed ({data.seed}) makes, the one training took the other side of; "
+                            f"another seed holds out problems it trained on. For another split set data.seed "
+                            f"(--set data.seed={seed}) and leave the evaluation seed unset")
+        named = (prepared or (None, None))[1]  # prepared:DIR@train asks for the train side
         return code_side(arg or "humaneval", named or "test", seed, data.train_fraction)[:n]
 
     def eval_seed(self, data: DataConfig) -> int:
