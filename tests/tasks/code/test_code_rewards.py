@@ -26,7 +26,7 @@ HALF = "def add(a, b):\n    return a + b if a > 0 else 7\n"  # passes 2 of 3
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     log = tmp_path_factory.mktemp("executor") / "executor.log"
-    with LocalExecutor(log_path=log, sets=["executor.workers=2", "executor.max_timeout_s=20"]) as ex:
+    with LocalExecutor(log_path=log, sets=["executor.workers=2"]) as ex:
         with ExecutorClient(ex.url, timeout_s=60) as c:
             yield c
 
@@ -360,3 +360,39 @@ def test_reports_cut_by_the_output_cap_leave_the_sample_unscored_not_zero(client
         run_tests(client, ["i = int(input())\nprint(2 * i)\n"], [spec], per_test_timeout_s=0.5, max_timeout_s=20)
     few = replace(spec, inputs=spec.inputs[:40], outputs=spec.outputs[:40])
     assert score(client, ["i = int(input())\nprint(2 * i)\n", "print(0)\n"], few) == [40, 1]
+
+
+def test_a_program_that_floods_its_output_scores_0_and_its_group_keeps_its_scores(client):
+    """100 KB on stderr and then os._exit: the output was truncated with no test reported, so the
+    judge took it for reports cut by the cap and the whole batch, honest programs too, went unscored
+    (found in review). Only a cut of the report stream itself is ReportsCut."""
+    from toolrl.executor.forkserver.capture import MARKER
+    from toolrl.tasks.code.judge import ReportsCut
+
+    flood = "import os\nos.write(2, b'x' * 100_000)\nos._exit(0)\ndef add(a, b):\n    return a + b\n"
+    res = run_tests(client, [GOOD, GOOD, flood], [ADD] * 3)
+    assert [r.passed for r in res] == [3, 3, 0] and "no test ran" in res[2].detail
+    # the report stream cut: reports beside the mark are the cap's doing; anything else, the program's
+    nonce, cut = new_nonce(), MARKER.format(omitted=5000)
+    reports = f"\n{nonce} [0, true, null]\n{nonce} [1, tr" + cut + "ue, null]\n"
+    with pytest.raises(ReportsCut):
+        judge(reports, "ok", nonce, ADD, truncated=True)
+    crowded = f"\n{nonce} [0, true, null]\nxxxxxxxx\nxxxx" + cut + "xxxx\n"
+    assert judge(crowded, "ok", nonce, ADD, truncated=True).passed == 1
+
+
+def test_score_cli_says_a_run_the_executor_could_not_judge_is_not_scored(tmp_path):
+    """A ReportsCut (here: 300 tests, reports past the output cap) was a traceback from
+    `evaluate.py score` (found in review): now one line, status 1, no score."""
+    row = {"problem_id": 7, "question": "Print twice the number.", "solutions": "[]", "difficulty": "introductory",
+           "input_output": json.dumps({"inputs": [f"{i}\n" for i in range(300)],
+                                       "outputs": [f"{2 * i}\n" for i in range(300)]}), "url": "", "starter_code": ""}
+    (tmp_path / "apps.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "p.py").write_text("print(2 * int(input()))\n")
+    p = subprocess.run([sys.executable, "evaluate.py", "score", "--task", f"apps:{tmp_path / 'apps.jsonl'}#7",
+                        "--program", str(tmp_path / "p.py"), "--set", "rewards.code_test_timeout_s=0.2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and lines[-1].startswith("evaluate.py score: not scored: the executor's output cap"), \
+        p.stderr[-2000:]
+    assert "Traceback" not in p.stderr and not p.stdout

@@ -36,8 +36,10 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from toolrl.config import ExecutorConfig
 from toolrl.executor.api import ExecRequest, ExecResult
 from toolrl.executor.client import ExecutorError
+from toolrl.executor.forkserver.capture import MARKER
 from toolrl.format import extract_code
 from toolrl.tasks.code.harness import _toolrl_harness
 
@@ -177,7 +179,7 @@ class ReportsCut(ExecutorError):
 def judge(stdout: str, status: str, nonce: str, spec: TestSpec, truncated: bool = False) -> TestResult:
     """Count passes from the harness's nonce lines. A test reported twice means the output was
     tampered with: nothing passes. A nonce line that does not parse was cut by the output cap;
-    with the output `truncated` and tests unreported, ReportsCut."""
+    with the reports cut there and tests unreported, ReportsCut."""
     seen: dict[int, tuple[bool, object]] = {}
     detail = ""
     for line in stdout.splitlines():
@@ -203,12 +205,25 @@ def judge(stdout: str, status: str, nonce: str, spec: TestSpec, truncated: bool 
             passed += _stdout_matches(payload, spec.outputs[i])
         else:
             passed += _value_matches(payload, spec.outputs[i])
-    if truncated and len(seen) < spec.total and not detail:
+    if truncated and len(seen) < spec.total and not detail and _reports_cut(stdout, nonce):
         raise ReportsCut(f"the executor's output cap cut the reports of {spec.total - len(seen)} of {spec.total} "
                          "tests: raise executor.max_output_bytes for tasks with this many tests")
     if not seen and not detail:
         detail = f"no test ran (executor status {status})"
     return TestResult(passed, spec.total, status, detail)
+
+
+def _reports_cut(stdout: str, nonce: str) -> bool:
+    """Whether the output cap cut a stream of reports alone: its mark is in stdout (a flood of
+    stderr cuts no report), and every whole line beside it is a report. A program that wrote into
+    the report stream itself (guessing its fd) answers for the reports it crowded out: they count
+    as failed, and its group's other samples keep their scores (found in review: one such sample
+    left its whole group unscored)."""
+    head, mark, rest = stdout.partition(MARKER.partition("{")[0])
+    if not mark:
+        return False
+    whole = head.split("\n")[:-1] + rest.partition("\n")[2].split("\n")[1:]  # the cut lines dropped
+    return all(not line or line.startswith(nonce + " ") for line in whole)
 
 
 def complete_program(code: str | None, spec: TestSpec) -> str | None:
@@ -265,8 +280,13 @@ def _chunks(todo: list, max_items: int = 32, max_bytes: int = 512 << 10):
         yield chunk
 
 
+# A run's whole budget is at most the executor's longest request (executor.max_timeout_s): the same for
+# the rewards, teacher traces and `evaluate.py score`, each of which passes its config's value
+MAX_TIMEOUT_S = ExecutorConfig.model_fields["max_timeout_s"].default
+
+
 def run_tests(client, programs: list[str | None], specs: list[TestSpec], per_test_timeout_s: float = 2.0,
-              max_timeout_s: float = 10.0) -> list[TestResult]:
+              max_timeout_s: float = MAX_TIMEOUT_S) -> list[TestResult]:
     """Run each program with its tests, one executor batch for all; results in input order."""
     todo, results = _requests(programs, specs, per_test_timeout_s, max_timeout_s)
     for chunk in _chunks(todo):
@@ -275,7 +295,7 @@ def run_tests(client, programs: list[str | None], specs: list[TestSpec], per_tes
 
 
 async def arun_tests(client, programs: list[str | None], specs: list[TestSpec], per_test_timeout_s: float = 2.0,
-                     max_timeout_s: float = 10.0) -> list[TestResult]:
+                     max_timeout_s: float = MAX_TIMEOUT_S) -> list[TestResult]:
     todo, results = _requests(programs, specs, per_test_timeout_s, max_timeout_s)
     for chunk in _chunks(todo):
         _judge_chunk(chunk, await client.execute_batch([t[3] for t in chunk]), results)
