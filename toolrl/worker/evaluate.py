@@ -29,7 +29,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from toolrl.config import Config, add_config_args, config_from_args
-from toolrl.executor.client import ExecutorClient
+from toolrl.executor.client import ExecutorClient, ExecutorError
 from toolrl.executor.local import ExecutorRefused, executor_available
 from toolrl.format import extract_code
 from toolrl.metrics import decoding
@@ -87,7 +87,8 @@ def score_program(cfg: Config, task_id: str, text: str, mode: str = "fraction", 
     spec = TestSpec.from_json(problem.answer)
     code = complete_program(extract_code(text) if "```" in text or "</think>" in text else text, spec)
     with executor_available(cfg, log) as c2, ExecutorClient(c2.executor.url, token=c2.executor.token) as ex:
-        res = run_tests(ex, [code], [spec], per_test_timeout_s=cfg.rewards.code_test_timeout_s)[0]
+        res = run_tests(ex, [code], [spec], per_test_timeout_s=cfg.rewards.code_test_timeout_s,
+                        max_timeout_s=c2.executor.max_timeout_s)[0]  # the rewards' budget
     return {"task": task_id, "passed": res.passed, "total": res.total, "reward": res.reward(mode),
             "status": res.status, "detail": res.detail}
 
@@ -114,6 +115,9 @@ def score_main(argv: list[str]) -> None:
     except (DataError, OSError, ExecutorRefused) as exc:
         print(f"evaluate.py score: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    except ExecutorError as exc:  # the executor's failure says nothing of the program: no score, not 0
+        print(f"evaluate.py score: not scored: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     print(json.dumps(res))
 
 

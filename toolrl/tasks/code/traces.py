@@ -34,7 +34,7 @@ from toolrl.executor.client import AsyncExecutorClient, ExecutorError
 from toolrl.executor.local import ExecutorRefused, executor_available
 from toolrl.prompts import load_chat_prompt
 from toolrl.tasks.base import DataError, Problem
-from toolrl.tasks.code.judge import TestSpec, arun_tests, program_in
+from toolrl.tasks.code.judge import MAX_TIMEOUT_S, TestSpec, arun_tests, program_in
 from toolrl.tasks.code.loaders import load_code_task
 from toolrl.tasks.code.prepared import code_side, parse_prepared
 
@@ -118,7 +118,7 @@ async def _ask(http: httpx.AsyncClient, url: str, payload: dict, retries: int, s
 async def collect(problems: list[Problem], base_url: str, model: str, executor, samples: int = 1,
                   concurrency: int = 8, retries: int = 3, temperature: float = 0.7, max_tokens: int = 1024,
                   api_key: str | None = None, prompt: str = "code", timeout_s: float = 300.0,
-                  per_test_timeout_s: float = 2.0, progress: bool = True,
+                  per_test_timeout_s: float = 2.0, max_timeout_s: float = MAX_TIMEOUT_S, progress: bool = True,
                   request_seed: int | None = None) -> tuple[list[dict], list[dict], dict]:
     """(kept traces, rejected answers, stats). Each problem is asked `samples` times; with
     `request_seed`, request k of a problem carries seed request_seed + k (reproducible sampling
@@ -143,7 +143,7 @@ async def collect(problems: list[Problem], base_url: str, model: str, executor, 
         spec = TestSpec.from_json(problem.answer)
         codes = [program_in(m.get("content") or "", spec) for m in answers]
         try:
-            results = await arun_tests(executor, codes, [spec] * len(codes), per_test_timeout_s)
+            results = await arun_tests(executor, codes, [spec] * len(codes), per_test_timeout_s, max_timeout_s)
         except ExecutorError as exc:  # the executor's failure, not the answers': unscored, the rest kept
             stats["unscored_tasks"] += 1
             tqdm.write(f"teacher_traces: could not test the answers for {problem.id}: {exc}", file=sys.stderr)
@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                     return await collect(problems, args.base_url, args.model, ex, args.samples, args.concurrency,
                                          args.retries, args.temperature, args.max_tokens, api_key,
                                          per_test_timeout_s=c2.rewards.code_test_timeout_s,
+                                         max_timeout_s=c2.executor.max_timeout_s,  # the rewards' budget
                                          progress=not args.quiet, request_seed=args.request_seed)
             kept, rejected, stats = asyncio.run(run())
     except ExecutorRefused as exc:
