@@ -4,6 +4,7 @@ no answer that passes), each one line on stderr with its exit status. The server
 that only ever fail; collecting real traces from vLLM's own server is test_teacher_traces.py."""
 import json
 import threading
+import time
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -21,10 +22,16 @@ CONFIG = str(ROOT / "configs" / "cpu_demo.yaml")
 WRONG = "<think>\nAdd them, I think.\n</think>\n```python\ndef add(a, b):\n    return a - b\n```"
 
 
+_DEFAULT = object()
+
+
 @contextmanager
-def stub(models=("teacher",), key=None, chat_status=200):
+def stub(models=("teacher",), key=None, chat_status=200, message=_DEFAULT, models_busy=0, seen=None):
     """An OpenAI-shaped server at /v1 that serves `models` and answers every chat with WRONG code
-    (or `chat_status`); with `key`, anything without that bearer token is 401."""
+    (or `chat_status`, or `message` as the choice's message); with `key`, anything without that
+    bearer token is 401; the first `models_busy` model lists are 503; `seen` (a dict) gets the most
+    chat requests it held at once."""
+    lock, state = threading.Lock(), {"busy": models_busy, "now": 0}
 
     class Handler(BaseHTTPRequestHandler):
         def reply(self, code, body):
@@ -44,13 +51,24 @@ def stub(models=("teacher",), key=None, chat_status=200):
         def do_GET(self):  # noqa: N802
             if self.path != "/v1/models":
                 self.reply(404, {"detail": "Not Found"})
+            elif state["busy"] > 0:
+                state["busy"] -= 1
+                self.reply(503, {"error": {"message": "loading the model"}})
             elif self.authorized():
                 self.reply(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in models]})
 
         def do_POST(self):  # noqa: N802
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if seen is not None:
+                with lock:
+                    state["now"] += 1
+                    seen["peak"] = max(seen.get("peak", 0), state["now"])
+                time.sleep(0.05)
+                with lock:
+                    state["now"] -= 1
+            msg = {"role": "assistant", "content": WRONG} if message is _DEFAULT else message
             if self.authorized():
-                self.reply(chat_status, {"choices": [{"index": 0, "message": {"role": "assistant", "content": WRONG}}]}
+                self.reply(chat_status, {"choices": [{"index": 0, "message": msg}]}
                            if chat_status == 200 else {"error": {"message": "the stub is overloaded"}})
 
         def log_message(self, *args):
@@ -192,3 +210,31 @@ def test_an_executor_failure_on_one_task_keeps_the_others_answers(tmp_path):
         kept, rejected, stats = asyncio.run(collect(problems, f"{url}/v1", "teacher", HalfDown(), concurrency=1,
                                                     retries=1, progress=False))
     assert stats["unscored_tasks"] == 1 and stats["answered"] == 2 and len(rejected) == 1 and kept == []
+
+
+def test_odd_messages_are_failed_requests_or_text_never_a_crash(capsys, tmp_path):
+    """A 200 whose message was a string crashed the whole run with AttributeError (every trace
+    collected so far lost), and all-null messages with IndexError on the first error (found in
+    review). Content sent as a list of text parts (some APIs do) is text."""
+    for message in ("just a string", None, {"role": "assistant", "content": 42}):
+        with stub(message=message) as url:
+            status, err, out = run(capsys, tmp_path, f"{url}/v1", "--n", "1", "--samples", "2")
+        assert status == 1 and "Traceback" not in err, err
+        assert err.splitlines()[-1].startswith(f"teacher_traces: no answer from {url}/v1 (2 asked; first error: "
+                                               "not an OpenAI chat completion"), err
+    parts = {"role": "assistant", "content": [{"type": "text", "text": WRONG[:30]},
+                                              {"type": "text", "text": WRONG[30:]}]}
+    with stub(message=parts) as url:
+        status, err, out = run(capsys, tmp_path, f"{url}/v1", "--n", "1", "--samples", "2")
+    assert status == 1 and json.loads(out)["answered"] == 2 and "none of the 2 answers passed" in err
+
+
+def test_a_busy_model_list_is_retried_and_concurrency_counts_requests(capsys, tmp_path):
+    """GET /models answering 503 (a server still loading its model) was "--base-url should be the
+    API root" at once; --concurrency 2 with --samples 4 held 8 requests at once (found in review)."""
+    seen = {}
+    with stub(models_busy=2, seen=seen) as url:
+        status, err, out = run(capsys, tmp_path, f"{url}/v1", "--n", "2", "--samples", "4", "--concurrency", "2",
+                               "--retries", "3")
+    assert status == 1 and json.loads(out)["answered"] == 8, err
+    assert seen["peak"] == 2

@@ -68,7 +68,9 @@ def check_server(base_url: str, model: str, api_key: str | None, retries: int = 
     for attempt in range(retries + 1):
         try:
             resp = httpx.get(url, headers=headers, timeout=timeout_s)
-            break
+            if not _retryable(resp.status_code):
+                break
+            err = f"HTTP {resp.status_code}"  # busy or still loading the model: it may answer later
         except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:  # no retry makes it one
             raise TeacherError(f"--base-url {base_url}: not an http(s) URL ({exc}); e.g. http://127.0.0.1:8000/v1") \
                 from None
@@ -91,6 +93,29 @@ def check_server(base_url: str, model: str, api_key: str | None, retries: int = 
         raise TeacherError(f"model {model!r} is not served at {base_url}; it serves: {', '.join(served) or 'none'}")
 
 
+def _retryable(status: int) -> bool:
+    return status in (408, 409, 429) or status >= 500
+
+
+def _message(body) -> dict:
+    """The first choice's message with its content as text (a string, null, or a list of parts,
+    as some APIs send it); ValueError for anything else."""
+    message = body["choices"][0]["message"]
+    if not isinstance(message, dict):
+        raise ValueError("no message")
+    content = message.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text")
+    if content is not None and not isinstance(content, str):
+        raise ValueError("content is neither text nor parts")
+    for key in ("reasoning", "reasoning_content"):
+        if not isinstance(message.get(key) or "", str):
+            raise ValueError(f"{key} is not text")
+    if not (content or message.get("reasoning") or message.get("reasoning_content")):
+        raise ValueError("an empty message")
+    return {**message, "content": content}
+
+
 async def _ask(http: httpx.AsyncClient, url: str, payload: dict, retries: int, stats: dict) -> dict | None:
     for attempt in range(retries + 1):
         try:
@@ -100,12 +125,12 @@ async def _ask(http: httpx.AsyncClient, url: str, payload: dict, retries: int, s
         else:
             if resp.status_code == 200:
                 try:
-                    return resp.json()["choices"][0]["message"]
-                except (ValueError, KeyError, IndexError, TypeError):
-                    err = f"not an OpenAI chat completion: {resp.text[:200]}"
+                    return _message(resp.json())
+                except (ValueError, KeyError, IndexError, TypeError) as exc:
+                    err = f"not an OpenAI chat completion ({exc}): {resp.text[:200]}"
                     break  # it will not become one
             err = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            if resp.status_code not in (408, 409, 429) and resp.status_code < 500:
+            if not _retryable(resp.status_code):
                 break  # a bad request stays bad
         if attempt < retries:
             stats["retries"] += 1
@@ -120,9 +145,10 @@ async def collect(problems: list[Problem], base_url: str, model: str, executor, 
                   api_key: str | None = None, prompt: str = "code", timeout_s: float = 300.0,
                   per_test_timeout_s: float = 2.0, max_timeout_s: float = MAX_TIMEOUT_S, progress: bool = True,
                   request_seed: int | None = None) -> tuple[list[dict], list[dict], dict]:
-    """(kept traces, rejected answers, stats). Each problem is asked `samples` times; with
-    `request_seed`, request k of a problem carries seed request_seed + k (reproducible sampling
-    where the server honours the OpenAI `seed` field, as vLLM does)."""
+    """(kept traces, rejected answers, stats). Each problem is asked `samples` times, at most
+    `concurrency` requests in flight; with `request_seed`, request k of a problem carries seed
+    request_seed + k (reproducible sampling where the server honours the OpenAI `seed` field, as vLLM
+    does)."""
     chat = load_chat_prompt(prompt)
     url = base_url.rstrip("/") + "/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -132,12 +158,14 @@ async def collect(problems: list[Problem], base_url: str, model: str, executor, 
     kept, rejected = [], []
 
     async def one(http: httpx.AsyncClient, problem: Problem, bar) -> None:
-        async with sem:
-            payload = {"model": model, "messages": chat.messages(problem.question), "temperature": temperature,
-                       "max_tokens": max_tokens, "n": 1}
-            payloads = [payload if request_seed is None else {**payload, "seed": request_seed + k}
-                        for k in range(samples)]
-            msgs = await asyncio.gather(*[_ask(http, url, pl, retries, stats) for pl in payloads])
+        async def asked(pl: dict) -> dict | None:
+            async with sem:  # requests, not tasks: --samples 8 --concurrency 4 is 4 in flight
+                return await _ask(http, url, pl, retries, stats)
+        payload = {"model": model, "messages": chat.messages(problem.question), "temperature": temperature,
+                   "max_tokens": max_tokens, "n": 1}
+        payloads = [payload if request_seed is None else {**payload, "seed": request_seed + k}
+                    for k in range(samples)]
+        msgs = await asyncio.gather(*[asked(pl) for pl in payloads])
         answers = [m for m in msgs if m is not None]
         stats["answered"] += len(answers)
         spec = TestSpec.from_json(problem.answer)
@@ -157,7 +185,10 @@ async def collect(problems: list[Problem], base_url: str, model: str, executor, 
         bar.update(1)
         bar.set_postfix(kept=len(kept), failed=stats["failed_requests"])
 
-    async with httpx.AsyncClient(headers=headers, timeout=timeout_s) as http:
+    # as many connections as requests in flight: httpx's default pool (100) made requests past it
+    # wait for a connection, and time out there
+    async with httpx.AsyncClient(headers=headers, timeout=timeout_s,
+                                 limits=httpx.Limits(max_connections=concurrency)) as http:
         with tqdm(total=len(problems), desc="teacher", unit="task", disable=not progress) as bar:
             await asyncio.gather(*[one(http, p, bar) for p in problems])
     return kept, rejected, stats
@@ -247,7 +278,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.rejected:
         write_jsonl(args.rejected, rejected)
     if stats["answered"] == 0:
-        fail(f"no answer from {args.base_url} ({stats['requested']} asked; first error: {errors[0]})", 1)
+        fail(f"no answer from {args.base_url} ({stats['requested']} asked; first error: "
+             f"{errors[0] if errors else 'none given'})", 1)
+    if not kept and stats["unscored_tasks"]:  # the executor's failure, not the answers'
+        fail(f"the executor could not test the answers of {stats['unscored_tasks']} of {len(problems)} tasks (see "
+             f"above) and none of the others passed; nothing written to {args.out}", 1)
     if not kept:
         where = f" (saved to {args.rejected})" if args.rejected else " (--rejected saves them)"
         fail(f"none of the {stats['answered']} answers passed its tests{where}; nothing written to {args.out}", 1)
