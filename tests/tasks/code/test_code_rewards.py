@@ -214,6 +214,20 @@ def test_a_script_may_print_from_its_own_thread(client):
     assert score(client, [threaded, forever], spec, per_test_timeout_s=1.0) == [2, 0]
 
 
+def test_outputs_are_compared_alike_whatever_their_length_and_values_by_value(client):
+    """Past 200 characters a stdio output travelled as a hash of its exact text, so a double space or
+    float noise failed there and passed in a short one; call-based answers were compared as JSON text,
+    so 2 for 2.0 failed where APPS's own grader (Python's ==) passes it (found in review)."""
+    lines = 60
+    spec = TestSpec("stdio", inputs=[f"{lines}\n"], outputs=["\n".join(f"{i / 3:.7f}  x" for i in range(lines))])
+    noisy = "for i in range(int(input())):\n    print(f'{i / 3 + 1e-9:.9f} x')\n"
+    wrong = "for i in range(int(input())):\n    print(f'{i / 3 + 1e-3:.9f} x')\n"
+    assert len(spec.outputs[0]) > 200 and score(client, [noisy, wrong], spec) == [1, 0]
+    call = TestSpec("call", fn_name="f", inputs=[[1], [2], [3]], outputs=[[2.0], [True], [[1, 2.5]]])
+    honest = "def f(x):\n    return [2, 1, [1.0, 2.5]][x - 1]\n"
+    assert score(client, [honest, "def f(x):\n    return 0\n"], call) == [3, 0]
+
+
 def test_partial_credit_survives_a_hang_in_a_later_test(client):
     spec = TestSpec("assert", tests=["assert f(1) == 1", "assert f(2) == 2", "assert f(0) == 0"])
     prog = "def f(x):\n    while x == 0:\n        pass\n    return x\n"
