@@ -26,6 +26,7 @@ from toolrl.weightsync.delta import CODEC
 
 SCHEMA_WEIGHTS = "toolrl.weights"
 MAX_WEIGHTS_BYTES = 4 << 30  # one bucket
+MAX_BUCKETS = 1 << 17  # buckets of one update: a bucket holds at least one tensor, and no model has this many
 
 
 class DeltaInfo(BaseModel):
@@ -42,7 +43,7 @@ class WeightBucket(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
     version: int = Field(ge=0)
     index: int = Field(ge=0)
-    count: int = Field(ge=1)
+    count: int = Field(ge=1, le=MAX_BUCKETS)
     names: list[str]
     delta: DeltaInfo | None = None
     tensors: list[tuple[str, torch.Tensor]] | None = None
