@@ -193,3 +193,21 @@ def test_an_empty_token_is_refused_by_the_config():
     for section in ("executor", "ref_server", "rollout"):
         with pytest.raises(ConfigError, match=f"{section}.token"):
             load_config("configs/cpu_tiny.yaml", [f"{section}.token="])
+
+
+def test_a_service_open_beyond_this_machine_without_a_token_is_warned_about(caplog):
+    """Every service warns alike; the gen worker (its own uvicorn server) warned never, though its
+    port takes weight pushes and fan-out relays to any URL (found in review)."""
+    from toolrl.net import warn_if_open
+
+    with caplog.at_level("WARNING"):
+        warn_if_open("0.0.0.0", None, "rollout")
+        warn_if_open("0.0.0.0", "a-token", "rollout")
+        warn_if_open("127.0.0.1", None, "executor")
+    assert [r.getMessage() for r in caplog.records] == [
+        "binding 0.0.0.0 without a token: anyone who reaches the port can use it; set rollout.token "
+        "(launch.sh makes one per run)"]
+    import inspect
+
+    from toolrl.worker import service
+    assert "warn_if_open(host, cfg.rollout.token" in inspect.getsource(service.run_service)

@@ -307,11 +307,17 @@ def http_protocol(parser: str = "auto"):
     return HeaderDeadline
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
+def warn_if_open(host: str, token: str | None, section: str) -> None:
+    """A service bound beyond this machine without a bearer token serves anyone who reaches it."""
+    if host not in ("127.0.0.1", "localhost", "::1") and not token:
+        logging.getLogger("toolrl").warning("binding %s without a token: anyone who reaches the port can use it; "
+                                            "set %s.token (launch.sh makes one per run)", host, section)
+
+
+def serve(app: FastAPI, host: str, port: int, token: str | None, section: str, log_level: str = "warning") -> None:
     import uvicorn  # here, not at the top: clients import this module and never serve
 
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        logging.getLogger("toolrl").warning("binding %s: reachable from other machines; set a token", host)
+    warn_if_open(host, token, section)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30, http=http_protocol())
 
 

@@ -22,4 +22,4 @@ def main(argv: list[str] | None = None) -> None:
 
     from toolrl.executor.frontend.app import create_app  # after parsing: --help stays fast
 
-    serve(create_app(cfg), args.host or cfg.host, args.port or cfg.port)
+    serve(create_app(cfg), args.host or cfg.host, args.port or cfg.port, cfg.token, "executor")

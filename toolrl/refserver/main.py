@@ -38,4 +38,4 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(cfg, log=log)
     host, port = args.host or cfg.ref_server.host, args.port or cfg.ref_server.port
     print(f"reference server listening on http://{host}:{port}", flush=True)
-    serve(app, host, port)
+    serve(app, host, port, cfg.ref_server.token, "ref_server")

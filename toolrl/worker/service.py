@@ -23,7 +23,7 @@ import uvicorn
 from tqdm import tqdm
 
 from toolrl.config import Config
-from toolrl.net import http_protocol
+from toolrl.net import http_protocol, warn_if_open
 from toolrl.protocol import sample_record
 from toolrl.refserver.client import AsyncRefServerClient, RefServerError, RefServerUnavailable
 from toolrl.tasks import get_task
@@ -212,6 +212,7 @@ async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, 
                       max_groups: int | None = None) -> None:
     worker = GenWorker(cfg, worker_id=worker_id, public_url=public_url or f"http://{host}:{port}")
     app = build_app(worker)
+    warn_if_open(host, cfg.rollout.token, "rollout")  # the token guards weight pushes and fan-out relays
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", http=http_protocol()))
     serve_task = asyncio.create_task(server.serve())
     ref = AsyncRefServerClient(cfg.ref_server.url, token=cfg.ref_server.token)

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # uvicorn re-raises SIGTERM once it has shut down, so a `finally` here would never run
     app.router.on_shutdown.append(worker.gate.assembler.close)
-    serve(app, args.host, args.port)
+    serve(app, args.host, args.port, args.token, "rollout")
 
 
 if __name__ == "__main__":
