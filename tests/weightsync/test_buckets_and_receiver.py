@@ -356,3 +356,25 @@ def test_a_huge_bucket_count_is_refused_and_the_largest_allowed_costs_no_stall(t
         return took
 
     assert asyncio.run(run()) < 0.5
+
+
+def test_a_slow_steady_link_loads_however_long_a_bucket_takes(tmp_path):
+    """Each bucket had to be whole within sync_timeout_s of wall clock, though bytes kept flowing:
+    a 1 GB bucket at 6 MiB/s against 120 s failed every load and closed the gate, so the worker
+    stopped generating (found in review). Here 4 MiB buckets at 1.5 MiB/s (about 2.7 s each) against
+    a 2 s wait: the wait counts from the last byte, and the update loads."""
+    import httpx
+
+    from toolrl.net import free_port
+    from toolrl.weightsync.egress import Egress
+    from toolrl.weightsync.http import push_weights
+    from toolrl.worker.standin import standin_service
+
+    named = [(f"layer{i}.weight", torch.randn(1024, 1024)) for i in range(3)]
+    with standin_service("slow", free_port(), "tok", tmp_path / "standin.log", timeout_s=2.0) as svc:
+        t = time.time()
+        answer = push_weights(svc.url, named, 1, token="tok", bucket_mb=4, timeout_s=2.0, egress=Egress(1.5))
+        took = time.time() - t
+        state = httpx.get(svc.url + "/loaded", headers={"Authorization": "Bearer tok"}).json()
+    assert answer["loaded"] and answer["version"] == 1 and took > 6, (answer, took)
+    assert state["weights_ok"] and state["version"] == 1

@@ -19,6 +19,7 @@ import mmap
 import os
 import shutil
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable
@@ -72,6 +73,15 @@ def abort_file(update_id: int) -> str:
     return f"abort-{update_id}"
 
 
+def progress_file(update_id: int) -> str:
+    """Touched (at most once a second) while bytes of update `update_id` arrive: a waiting loader
+    gives up on a bucket only after `sync_timeout_s` without a byte, however slow the link."""
+    return f"progress-{update_id}"
+
+
+PROGRESS_EVERY_S = 1.0
+
+
 @dataclass
 class Update:
     """One weight update being received, bucket by bucket, in order."""
@@ -88,6 +98,16 @@ class Update:
     tag: str | None = None
     on_abort: list[Callable[[], None]] = field(default_factory=list)  # a relay stops serving it
     received: dict[int, Path] = field(default_factory=dict)  # each bucket as received: its slot or delta file
+    last_byte: float = field(default_factory=time.monotonic)  # when a byte of it last arrived
+    _touched: float = 0.0
+
+    def arrived(self) -> None:
+        """Bytes of it arrived now: waits for its buckets count from here (progress_file)."""
+        self.last_byte = now = time.monotonic()
+        if now - self._touched >= PROGRESS_EVERY_S:
+            self._touched = now
+            with contextlib.suppress(OSError):
+                (self.dir / progress_file(self.id)).touch()
 
     def abort(self) -> None:
         """Tell a loader waiting for this update's next bucket to give up."""
@@ -239,6 +259,7 @@ class WeightAssembler:
             nonlocal pos
             if update.aborted:  # superseded: the next update's bucket may be writing into this slot
                 raise UpdateAborted(f"version {update.version} was superseded while a bucket arrived")
+            update.arrived()
             if applier is None:
                 slot.map[pos:pos + len(data)] = data
             else:
@@ -322,6 +343,7 @@ class WeightAssembler:
         for marker in self.out_dir.glob(ready_file(update.id, 0).rsplit("-", 1)[0] + "-*"):
             marker.unlink(missing_ok=True)
         (self.out_dir / abort_file(update.id)).unlink(missing_ok=True)
+        (self.out_dir / progress_file(update.id)).unlink(missing_ok=True)
         if self.update is update:
             self.update = None
 

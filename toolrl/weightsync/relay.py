@@ -133,17 +133,19 @@ class Relay:
         return answer
 
     async def _whole(self, index: int) -> None:
-        """Wait until bucket `index` is whole here (at most a hop timeout)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.plan.timeout_s
+        """Wait until bucket `index` is whole here: at most a hop timeout without a byte of the
+        update arriving (a slow, steady upstream link is waited for)."""
+        loop, t = asyncio.get_running_loop(), self.plan.timeout_s
         while self.whole <= index:
             if self.update.aborted:
                 raise UpstreamStopped(f"the update was cut short before bucket {index} was whole here")
-            changed = self._changed
+            changed, idle = self._changed, loop.time() - self.update.last_byte  # both monotonic clocks
+            if idle > t:
+                raise UpstreamStopped(f"bucket {index} did not arrive here: no byte of the update in {t:.0f}s")
             try:
-                await asyncio.wait_for(changed.wait(), deadline - loop.time())
+                await asyncio.wait_for(changed.wait(), t - idle)
             except asyncio.TimeoutError:
-                raise UpstreamStopped(f"bucket {index} did not arrive here within {self.plan.timeout_s:.0f}s") from None
+                pass  # bytes may have come meanwhile: the idle time says
 
     async def _bucket_bytes(self, path: Path) -> AsyncIterator[bytes]:
         """What is forwarded for a bucket: its bytes as received (Update.received), in paced chunks.

@@ -19,11 +19,14 @@ from pathlib import Path
 from safetensors import safe_open
 
 from toolrl.weightsync.process_group import make_group, ready_key, receive_weights
-from toolrl.weightsync.receiver import abort_file, bucket_file, ready_file
+from toolrl.weightsync.receiver import abort_file, bucket_file, progress_file, ready_file
 
 
 def iter_bucket_files(weights_dir: str, update_id: int, count: int, timeout_s: float, poll_s: float = 0.002):
-    """(name, tensor) from buckets 0..count-1 of an update, each read as soon as it is ready."""
+    """(name, tensor) from buckets 0..count-1 of an update, each read as soon as it is ready. A
+    bucket is given up on after `timeout_s` in which no byte of the update arrived (progress_file),
+    not `timeout_s` in all: a large bucket on a slow, steady link takes longer (found in review:
+    a 1 GB embedding bucket at 6 MiB/s failed every load, and with it every worker's generation)."""
 
     d = Path(weights_dir)
     for i in range(count):
@@ -34,8 +37,14 @@ def iter_bucket_files(weights_dir: str, update_id: int, count: int, timeout_s: f
             if (d / ready_file(update_id, i)).exists():
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"bucket {i}/{count} of weight update {update_id} did not arrive in "
-                                   f"{timeout_s:.0f}s")
+                try:
+                    idle = time.time() - (d / progress_file(update_id)).stat().st_mtime
+                except OSError:
+                    idle = float("inf")
+                if idle > timeout_s:
+                    raise TimeoutError(f"bucket {i}/{count} of weight update {update_id} did not arrive: no byte "
+                                       f"of the update in {timeout_s:.0f}s")
+                deadline = time.monotonic() + timeout_s - idle
             time.sleep(poll_s)
         with safe_open(d / bucket_file(i), framework="pt") as f:  # validates the tensor table
             for name in f.keys():
