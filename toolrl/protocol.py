@@ -301,6 +301,14 @@ def unpack(data: bytes, schema: str, max_bytes: int) -> tuple[dict[str, Any], di
     return parse_meta(meta_json), tensors
 
 
+def incarnation(worker: dict) -> tuple:
+    """One life of a registered worker (an entry of the reference server's GET /workers): its id and
+    URL, and when it registered. A worker restarted under the same id and URL (launch.sh's worker-$i)
+    comes back empty: what was pushed to its last life says nothing of it (found in review: it was
+    never caught up, and produced from its base weights until the next sync)."""
+    return worker["id"], worker["url"], worker.get("registered_at")
+
+
 # ---------------------------------------------------------------------------------------------
 # Sample groups
 

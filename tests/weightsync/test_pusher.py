@@ -101,3 +101,18 @@ def test_the_reference_server_knows_a_version_before_any_worker_loads_it():
     s.push([], 1)
     s.push([], 2)
     assert seen == [[1], [1, 2]] and registry.versions == [1, 2]
+
+
+def test_a_worker_restarted_under_its_id_and_url_is_caught_up():
+    """launch.sh restarts a worker as worker-$i on the same port: it registers again empty, but the
+    learner's record of what it pushed (keyed by id and URL) said it held the last version, so it was
+    never caught up and produced from its base weights until the next sync (found in review)."""
+    first = {"id": "worker-0", "url": "http://127.0.0.1:8300", "policy_version": 0, "registered_at": 100.0}
+    reg = FixedRegistry([first])
+    cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled"])
+    t = Recorder()
+    s = WeightSync(cfg, reg, transport=t)
+    s.push([], 7)
+    assert s.behind(7) == []  # its heartbeat has not said 7 yet; what was pushed counts
+    reg.list = [{**first, "registered_at": 250.0}]  # the same id and URL, a new life, empty
+    assert [w["id"] for w in s.behind(7)] == ["worker-0"]

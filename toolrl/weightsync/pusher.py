@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 from toolrl.config import Config
 from toolrl.net import RetryPolicy
+from toolrl.protocol import incarnation
 from toolrl.weightsync.fanout import make_plans
 from toolrl.weightsync.http import HttpTransport
 from toolrl.weightsync.process_group import ProcessGroupTransport
@@ -54,6 +55,7 @@ def make_transport(cfg: Config) -> Transport:
     return HttpTransport(cfg.rollout.token, lc.sync_bucket_mb, lc.sync_timeout_s, lc.sync_max_mb_s)
 
 
+
 class WeightSync:
     def __init__(self, cfg: Config, ref, transport: Transport | None = None):
         self.cfg = cfg
@@ -61,7 +63,7 @@ class WeightSync:
         self.transport = transport or make_transport(cfg)
         self.retry = RetryPolicy(retries=cfg.learner.sync_retries, base_s=0.5, cap_s=5.0)
         self.failures: dict[str, str] = {}  # worker id -> last error
-        self.pushed: dict[tuple[str, str], int] = {}  # (id, url) -> version it confirmed loading
+        self.pushed: dict[tuple, int] = {}  # incarnation(w) -> version it confirmed loading
         self.last: dict = {}
         self.refused: set[str] = set()  # untrusted worker URLs, logged once
 
@@ -126,7 +128,7 @@ class WeightSync:
             else:
                 ok[w["id"]] = a
                 self.failures.pop(w["id"], None)
-                self.pushed[(w["id"], w["url"])] = version
+                self.pushed[incarnation(w)] = version
         self.last = {"version": version, "workers_ok": len(ok), "workers_failed": len(failed),
                      "sync_s": time.time() - t0,
                      "reload_s_max": max((a.get("reload_s", 0.0) for a in ok.values()), default=0.0),
@@ -154,7 +156,7 @@ class WeightSync:
         except Exception:  # deltas are an optimisation: the full weights still go out
             log.exception("could not prepare version %d's deltas; sending the full weights", version)
             return []
-        return [w for w in wants if base is not None and self.pushed.get((w["id"], w["url"])) == base]
+        return [w for w in wants if base is not None and self.pushed.get(incarnation(w)) == base]
 
     def _push_group(self, named, version: int, workers: list[dict], delta: bool, direct: bool) -> dict[str, dict]:
         fanout = self.cfg.learner.sync_fanout
@@ -203,12 +205,11 @@ class WeightSync:
         """Live workers that are behind `version` (late joiners, earlier failures); workers that left
         are forgotten."""
         live = self.trusted(self.ref.workers())
-        keys = {(w["id"], w["url"]) for w in live}
-        self.pushed = {k: v for k, v in self.pushed.items() if k in keys}  # forget workers that left
-        self.transport.forget(keys)
+        self.pushed = {k: v for k, v in self.pushed.items() if k in {incarnation(w) for w in live}}  # left: forgotten
+        self.transport.forget({(w["id"], w["url"]) for w in live})
         # The registry learns a worker's version from its next heartbeat; what we pushed counts now.
         return [w for w in live
-                if max(int(w.get("policy_version", 0)), self.pushed.get((w["id"], w["url"]), 0)) < version]
+                if max(int(w.get("policy_version", 0)), self.pushed.get(incarnation(w), 0)) < version]
 
     def catch_up(self, state_fn, version: int, behind: list[dict] | None = None) -> int:
         """Push the current weights to the workers that are `behind` (default: those `behind(version)`

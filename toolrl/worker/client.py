@@ -5,6 +5,7 @@ import httpx
 
 from toolrl.config import Config
 from toolrl.net import auth_headers
+from toolrl.protocol import incarnation
 
 
 def evaluate_on_worker(cfg: Config, workers: list[dict], version: int, pushed: dict | None = None) -> dict:
@@ -13,7 +14,7 @@ def evaluate_on_worker(cfg: Config, workers: list[dict], version: int, pushed: d
     engine. Raises RuntimeError when no worker holds it or the request fails."""
     pushed = pushed or {}
     holding = [w for w in workers
-               if int(w.get("policy_version", -1)) == version or pushed.get((w["id"], w["url"])) == version]
+               if int(w.get("policy_version", -1)) == version or pushed.get(incarnation(w)) == version]
     if not holding:
         raise RuntimeError(f"no live worker holds policy version {version} "
                            f"(workers: {[(w['id'], w.get('policy_version')) for w in workers]})")

@@ -243,6 +243,9 @@ async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, 
             deadline = time.time() + cfg.learner.sync_timeout_s * 3
             while worker.version < learner_version and time.time() < deadline:
                 await asyncio.sleep(0.5)
+            if worker.version < learner_version:  # its samples will be stale, and dropped, until the weights come
+                log.warning("policy version %d did not arrive in %.0fs; producing on version %d meanwhile",
+                            learner_version, cfg.learner.sync_timeout_s * 3, worker.version)
         try:
             await upload_loop(worker, ref, max_groups)
             if max_groups is not None:  # done producing; keep serving updates and probes until stopped
