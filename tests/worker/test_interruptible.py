@@ -224,3 +224,42 @@ def test_an_empty_segment_under_a_new_version_records_no_run():
     assert r.version_runs == [(0, 0)]
     Sample(prompt_ids=[1], completion_ids=r.completion_ids, loss_mask=r.loss_mask, logprobs=r.logprobs,
            group_id="g", policy_version=0, version_runs=r.version_runs)
+
+
+def test_an_evaluation_started_during_an_update_reports_the_version_it_ran_on():
+    """Agent.evaluate read the policy version before any problem passed the gate: an evaluation
+    started while an update loaded ran wholly on the new weights and reported the old version
+    (found in review). Real gate; the agent's acting is scripted."""
+    from types import SimpleNamespace
+
+    from toolrl.config import Config, DataConfig
+    from toolrl.tasks import load_task
+    from toolrl.worker.agent import Agent
+
+    problems = load_task("arithmetic:1", 3, 0, DataConfig())
+    engine = Streaming([PROGRAM], [RolloutConfig().stop_marker])
+    gate = WeightGate(engine, None, drain_timeout_s=30, sync_timeout_s=30)
+
+    async def rollouts(prompt, gid, n, versions, temperature=None):
+        return [SimpleNamespace(stop_reason="stop")] * n
+
+    def score(problem, rolls, gid, v, tests):
+        return [Sample(prompt_ids=[1], completion_ids=[2], loss_mask=[1], logprobs=[-1.0], group_id=gid,
+                       policy_version=v, rewards={"correct": 1.0}, reward=1.0) for _ in rolls]
+
+    agent = SimpleNamespace(gate=gate, gated=gate.rollout, group_id=lambda pid, kind: kind + pid, rollouts=rollouts,
+                            prompt_ids=lambda q: [1], run_tests=lambda p, k: asyncio.sleep(0), score=score,
+                            cfg=Config())
+
+    async def go():
+        async def load():
+            await asyncio.sleep(0.3)
+            return 0.3
+        update = asyncio.create_task(gate.swap(1, load))
+        await asyncio.sleep(0.05)  # the update is loading: the gate still says version 0
+        assert gate.version == 0
+        res = await Agent.evaluate(agent, problems, samples=2, ks=[1])
+        await update
+        return res
+    res = asyncio.run(go())
+    assert (res["policy_version"], res["policy_version_end"]) == (1, 1)

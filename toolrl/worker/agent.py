@@ -130,6 +130,7 @@ class Agent:
         temperature, 0 decodes greedily (eval.temperature); the result names the one used."""
         sem = asyncio.Semaphore(concurrency)
         version = self.gate.version if self.gate is not None else 0
+        versions: set[int] = set()  # the policies the problems were evaluated under (each within the gate)
         groups: dict[str, list[Sample]] = {}
         aborted = unscored = 0
         t0 = time.time()
@@ -138,6 +139,7 @@ class Agent:
             nonlocal aborted, unscored
             async with sem:
                 async with self.gated() as v:
+                    versions.add(v)
                     gid = self.group_id(problem.id, "eval:")
                     rolls = await self.rollouts(self.prompt_ids(problem.question), gid, samples, FixedVersion(v),
                                                 temperature=temperature)
@@ -164,7 +166,9 @@ class Agent:
                                      f"rollouts ended by infrastructure failures, {unscored} problems could not be "
                                      "tested or graded (is the executor up?)")
         out = summarize(problems, groups, ks)
-        out.update(policy_version=version, policy_version_end=self.gate.version if self.gate is not None else 0,
+        # the oldest and newest policy a problem was evaluated under: the version read before the
+        # first problem passed the gate could be one an update in progress was replacing (found in review)
+        out.update(policy_version=min(versions, default=version), policy_version_end=max(versions, default=version),
                    aborted_samples=aborted, unscored_problems=unscored, wall_s=time.time() - t0,
                    temperature=self.cfg.rollout.temperature if temperature is None else temperature)
         return out

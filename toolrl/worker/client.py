@@ -28,7 +28,8 @@ def evaluate_on_worker(cfg: Config, workers: list[dict], version: int, pushed: d
     if r.status_code != 200:
         raise RuntimeError(f"evaluation on worker {w['id']} failed: HTTP {r.status_code}: {r.text[:300]}")
     res = r.json()
-    if res.get("policy_version") != version:
-        raise RuntimeError(f"worker {w['id']} evaluated version {res.get('policy_version')}, not {version}")
+    if res.get("policy_version") != version or res.get("policy_version_end") != version:
+        raise RuntimeError(f"worker {w['id']} evaluated versions {res.get('policy_version')}-"
+                           f"{res.get('policy_version_end')}, not {version} alone")
     res["worker_id"] = w["id"]
     return res
