@@ -263,3 +263,24 @@ def test_an_evaluation_started_during_an_update_reports_the_version_it_ran_on():
         return res
     res = asyncio.run(go())
     assert (res["policy_version"], res["policy_version_end"]) == (1, 1)
+
+
+def test_a_bounded_wait_at_the_gate_gives_up_while_an_update_loads():
+    """/probe enters the gate like a whole rollout (it generated across an update's load, reporting
+    the new version for mixed weights: found in review), with a bounded wait: a 503, never a hang."""
+    engine = Streaming([PROGRAM], [RolloutConfig().stop_marker])
+    gate = WeightGate(engine, None, drain_timeout_s=30, sync_timeout_s=30)
+
+    async def go():
+        async def load():
+            await asyncio.sleep(0.5)
+            return 0.5
+        update = asyncio.create_task(gate.swap(1, load))
+        await asyncio.sleep(0.05)
+        with pytest.raises(TimeoutError):
+            async with gate.rollout(wait_s=0.1):
+                pass
+        async with gate.rollout(wait_s=5) as v:  # waits for the load, then runs on the new weights
+            assert v == 1
+        await update
+    asyncio.run(go())

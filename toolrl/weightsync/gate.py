@@ -73,10 +73,11 @@ class WeightGate:
 
     # -- the rollouts' side ----------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def rollout(self) -> AsyncIterator[int]:
+    async def rollout(self, wait_s: float | None = None) -> AsyncIterator[int]:
         """Run rollouts inside this: held back while an update loads, drained before it loads.
-        Yields the policy version they run under."""
-        await self._open.wait()
+        Yields the policy version they run under. `wait_s`: the longest to be held back (then
+        TimeoutError); None: as long as it takes."""
+        await asyncio.wait_for(self._open.wait(), wait_s)
         self.inflight += 1
         self._idle.clear()
         try:

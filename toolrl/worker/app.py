@@ -93,9 +93,14 @@ def build_app(worker) -> FastAPI:
         vocab = tok.vocab_size + len(tok.get_added_vocab())
         if max(req.prompt_ids) >= vocab or min(req.prompt_ids) < 0:
             raise HTTPException(status_code=400, detail=f"prompt_ids must lie in [0, {vocab})")
-        out = await worker.agent.engine.generate(req.prompt_ids, req.max_tokens, f"probe-{time.time_ns()}",
-                                           stop_at_marker=False, seed=req.seed)
-        return {"token_ids": out.token_ids, "logprobs": out.logprobs, "policy_version": worker.version,
+        try:
+            # drained by an update like any whole rollout: never across one
+            async with worker.gate.rollout(wait_s=worker.cfg.learner.sync_timeout_s) as version:
+                out = await worker.agent.engine.generate(req.prompt_ids, req.max_tokens, f"probe-{time.time_ns()}",
+                                                         stop_at_marker=False, seed=req.seed)
+        except TimeoutError:
+            raise HTTPException(status_code=503, detail="a weight update is still loading; try again") from None
+        return {"token_ids": out.token_ids, "logprobs": out.logprobs, "policy_version": version,
                 "temperature": worker.cfg.rollout.temperature}
 
     @app.post("/evaluate", dependencies=[auth])

@@ -158,10 +158,14 @@ class VllmEngine:
 
     async def _load(self, method: str, kwargs: dict, timeout_s: float, what: str) -> float:
         """Run one of toolrl.vllm_ext's in-place loads, then drop the prefix cache, whose KV came
-        from the old weights. Returns the seconds taken."""
+        from the old weights. Returns the seconds taken. A request still running (none should be:
+        the gate interrupted or drained them) is preempted and its KV recomputed, because vLLM
+        otherwise keeps the whole cache while any request holds blocks, and says so only in its
+        return value (found in review: a resumed rollout could reuse the old weights' KV)."""
         t0 = time.time()
         await wait_for(self.llm.collective_rpc(method, kwargs=kwargs), timeout_s, what)
-        await self.llm.reset_prefix_cache()
+        if not await self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("the prefix cache could not be dropped after the weights loaded")
         return time.time() - t0
 
     async def load_buckets(self, weights_dir: str, update_id: int, count: int, timeout_s: float) -> float:
