@@ -2,17 +2,10 @@
 
 Every service reads the same typed tree (defined in toolrl/config.py): model, data, prompt,
 executor, ref_server, rollout, rewards, grpo, teacher, learner, eval, logging, launch. An unknown
-key or a bad value exits non-zero with one line that names it.
+key, a bad value or a reward that does not exist or fit the task exits non-zero with one line that
+names it (toolrl/worker/config_check.py).
 """
-from toolrl.config import main
-
-
-def rewards_fit_the_task(cfg) -> None:
-    """Every reward the config weighs is registered and fits its task (toolrl.worker.rewards)."""
-    from toolrl.worker.rewards import check_reward_config  # lazy: it loads torch; --get and --print stay fast
-
-    check_reward_config(cfg)
-
+from toolrl.worker.config_check import main
 
 if __name__ == "__main__":
-    main(checks=(rewards_fit_the_task,))
+    main()

@@ -227,7 +227,9 @@ def test_a_recipe_pays_rewards_that_exist_and_fit_its_task():
         check_reward_config(load_config("configs/cpu_code.yaml", ["rewards.weights={code_format: 1}"]))
     for recipe in ("configs/cpu_code.yaml", "configs/gpu_coder_1p5b_teacher_8gpu.yaml", "configs/cpu_demo.yaml"):
         check_reward_config(load_config(recipe))
-    for cli in (["config.py"], ["gen_worker.py"]):
+    console_script = ["-c", "import sys, importlib.metadata as m; sys.argv[0] = 'toolrl-config'; "
+                            "m.entry_points(group='console_scripts')['toolrl-config'].load()()"]
+    for cli in (["config.py"], ["gen_worker.py"], console_script):
         out = subprocess.run([sys.executable, *cli, "--config", "configs/cpu_tiny.yaml",
                               "--set", "rewards.weights.corect=1"],
                              capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
