@@ -766,3 +766,15 @@ def test_a_broken_checkpoint_says_which_and_what_else_there_is(tmp_path):
     resumed = make_trainer()
     resumed.load_checkpoint(tmp_path)
     assert resumed.step == 1
+
+
+def test_mis_masked_tokens_count_the_batch_not_every_pass_over_it():
+    """With updates_per_batch 2 every masked token was counted twice (found in review). Behaviour
+    logprobs of -30 against the tiny model's about -11: every ratio is far over 3, so token_mask
+    masks every GRPO token on both passes, and the count is the batch's."""
+    fix = ["grpo.vllm_importance_sampling_correction=true", "grpo.vllm_importance_sampling_mode=token_mask"]
+    b = [s.model_copy(update={"logprobs": [-30.0 if m else None for m in s.loss_mask]}) for s in batch(5)]
+    grpo_tokens = sum(sum(s.loss_mask) for s in b)
+    one = make_trainer(*fix).train_step(b)
+    two = make_trainer(*fix, "grpo.updates_per_batch=2").train_step(b)
+    assert one["mis_masked_tokens"] == two["mis_masked_tokens"] == grpo_tokens

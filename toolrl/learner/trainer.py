@@ -207,7 +207,9 @@ class Trainer:
                  "sft_self": sum(1 for s in samples if roles[id(s)][Role.SELF])}
         self._whole_batch(sums, local)
         out = self._metrics(sums, local, done, time.time() - t0)
+        # counts of the batch, not of every pass over it (updates_per_batch passes each count them)
         out["samples_no_signal"] = local["no_signal"] / max(1, g.updates_per_batch)
+        out["mis_masked_tokens"] /= max(1, g.updates_per_batch)
         out["truncated_masked"] = local["masked"]
         return out
 
