@@ -778,3 +778,16 @@ def test_mis_masked_tokens_count_the_batch_not_every_pass_over_it():
     one = make_trainer(*fix).train_step(b)
     two = make_trainer(*fix, "grpo.updates_per_batch=2").train_step(b)
     assert one["mis_masked_tokens"] == two["mis_masked_tokens"] == grpo_tokens
+
+
+
+def test_an_old_checkpoint_another_rank_removed_first_is_no_error(tmp_path):
+    """Ranks on one shared disk remove the same old checkpoint at once: what another rank removed
+    first was a warning each time, and could stop a rank's removal half-way (multi-rank runs)."""
+    from toolrl.learner.trainer import remove_tree
+
+    remove_tree(tmp_path / "step000001")  # another rank removed all of it: no error
+    (tmp_path / "step000002" / "a").mkdir(parents=True)
+    (tmp_path / "step000002" / "a" / "shard.pt").write_bytes(b"x")
+    remove_tree(tmp_path / "step000002")
+    assert not (tmp_path / "step000002").exists()

@@ -39,6 +39,15 @@ SUM_KEYS = ("loss_grpo", "loss_sft_teacher", "loss_sft_self", "kl_sum", "entropy
             "tokens", "tokens_real", "tokens_padded", "mis_masked_tokens")
 
 
+def remove_tree(path: Path) -> None:
+    """shutil.rmtree, where what is already gone is no error: ranks sharing a disk remove the same old
+    checkpoint at once (each warned of the files the others had removed, and could stop half-way)."""
+    def gone_is_fine(func, where, exc_info):
+        if not issubclass(exc_info[0], FileNotFoundError):
+            raise exc_info[1]
+    shutil.rmtree(path, onerror=gone_is_fine)
+
+
 class Trainer:
     def __init__(self, cfg: Config, model_path: str):
         import deepspeed  # lazy, as transformers: importing this module (micro-batching, tests) needs neither
@@ -486,7 +495,7 @@ class Trainer:
             older = sorted(p for p in Path(ckpt_dir).glob("step*") if p.is_dir() and p.name != tag)
             for old in older[:max(0, len(older) - (keep - 1))]:
                 try:
-                    shutil.rmtree(old)
+                    remove_tree(old)
                 except OSError as e:  # the run goes on; the disk fills unless someone looks
                     print(f"warning: could not delete the old checkpoint {old} (learner.keep_checkpoints={keep}): "
                           f"{e}", flush=True)
