@@ -182,3 +182,17 @@ def test_stale_drops_are_counted_against_the_policy_samples_received():
     q.put([mk(4, version=1), mk(5, version=1)])
     st = q.stats()
     assert (st["policy_in"], st["dropped_stale"], st["stale_drop_fraction"]) == (4, 2, 0.5)
+
+
+def test_an_upload_without_an_upload_id_still_ends_its_grant():
+    """The grant was released only on the X-Upload-Id path: an upload carrying X-Grant-Id alone (both
+    headers are optional) held its room for the whole lease, 600 s (found in review)."""
+    from toolrl.protocol import CONTENT_TYPE, encode_samples
+
+    cfg = config(max_staleness=1, _extra=["learner.batch_samples=4"])
+    with serve(create_app(cfg)) as url, httpx.Client(base_url=url) as h:
+        g = h.post("/grants", json={"worker_id": "w1", "n": 2}).json()
+        r = h.post("/upload", content=encode_samples([mk(1), mk(2)]),
+                   headers={"Content-Type": CONTENT_TYPE, "X-Grant-Id": g["grant_id"]})
+        flow = h.get("/stats").json()["flow"]
+    assert r.status_code == 200 and flow["in_flight"] == 0 and flow["released_total"] == 1, flow

@@ -10,7 +10,7 @@ import torch
 
 from toolrl.config import load_config
 from toolrl.models import load_hf_model
-from toolrl.protocol import CONTENT_TYPE, WIRE_VERSION, Sample, encode_samples
+from toolrl.protocol import CONTENT_TYPE, WIRE_VERSION, Sample, decode_samples, encode_samples
 from toolrl.weightsync.buckets import encode_weight_bucket
 from toolrl.refserver import reference as reference_mod
 from toolrl.refserver.app import create_app
@@ -365,3 +365,69 @@ def test_retried_upload_and_batch_are_answered_once():
         assert first.status_code == 200 and again.content == first.content
         stats = h.get("/stats").json()["queue"]
     assert stats["samples_in"] == 1 and stats["samples_out"] == 1
+
+
+def test_a_batch_that_cannot_be_sent_is_not_lost_and_client_ref_logprobs_are_dropped(monkeypatch):
+    """At beta 0 an uploaded sample's own ref_logprobs were kept, so a batch mixing it with one
+    without could not be encoded: a 500, the samples counted out and gone, the retry 204 (found in
+    review). The server's are the only reference logprobs; and a batch that fails to encode returns
+    its samples to the queue."""
+    from toolrl.refserver import app as app_mod
+
+    with serve(create_app(config())) as url, httpx.Client(base_url=url) as h:
+        with_ref = mk(1).model_copy(update={"ref_logprobs": [-1.0] * 4})
+        for s in (with_ref, mk(2)):
+            r = h.post("/upload", content=encode_samples([s]), headers={"Content-Type": CONTENT_TYPE})
+            assert r.status_code == 200
+        got = RefServerClient(url).get_batch(10, 10**6, wait_s=2)
+        assert [s.group_id for s in got] == ["1", "2"] and [s.ref_logprobs for s in got] == [None, None]
+    real, calls = app_mod.encode_samples, []
+
+    def flaky(samples, **kw):
+        calls.append(len(samples))
+        if len(calls) == 1:
+            raise RuntimeError("the encoder failed once")
+        return real(samples, **kw)
+    monkeypatch.setattr(app_mod, "encode_samples", flaky)
+    with serve(create_app(config())) as url:
+        asyncio.run(_upload(url, [mk(3), mk(4)]))
+        q = {"max_samples": 5, "max_tokens": 1000, "wait_s": 2, "request_id": "r1"}
+        try:
+            assert httpx.get(f"{url}/batch", params=q).status_code == 500
+        except httpx.TransportError:  # the answer that never came: a 500, or the connection dropped
+            pass
+        again = httpx.get(f"{url}/batch", params=q)
+        stats = httpx.get(f"{url}/stats").json()["queue"]
+    assert again.status_code == 200 and len(decode_samples(again.content)[0]) == 2
+    assert stats["samples_out"] == 2 and stats["samples"] == 0
+
+
+def test_a_batch_retry_while_the_first_still_waits_takes_over():
+    """The learner's connection dropped during a long-poll /batch; its retries with the same request
+    id got 503 "still in progress" until the orphan's wait ran out, and the learner died when its
+    retries ran out (found in review). The retry now takes the request over."""
+    with serve(create_app(config())) as url, httpx.Client(base_url=url) as h:
+        q = {"max_samples": 2, "max_tokens": 1000, "min_samples": 2, "wait_s": 30, "request_id": "r7"}
+        orphan = threading.Thread(target=_silently, args=(lambda: httpx.get(f"{url}/batch", params=q, timeout=0.5),))
+        orphan.start()
+        time.sleep(1.0)  # its client gave up at 0.5 s; the request still waits on the server, queue empty
+        got = {}
+        retry = threading.Thread(target=lambda: got.update(r=h.get("/batch", params={**q, "wait_s": 10}, timeout=20)))
+        t = time.time()
+        retry.start()
+        time.sleep(0.5)
+        asyncio.run(_upload(url, [mk(5), mk(6)]))
+        retry.join()
+        took = time.time() - t
+        orphan.join()
+        again = got["r"]
+        stats = h.get("/stats").json()["queue"]
+    assert again.status_code == 200 and [s.group_id for s in decode_samples(again.content)[0]] == ["5", "6"]
+    assert took < 5 and stats["samples_out"] == 2
+
+
+def _silently(fn):
+    try:
+        fn()
+    except httpx.HTTPError:
+        pass

@@ -25,7 +25,7 @@ from toolrl.learner.trainer import Trainer
 from toolrl.metrics import batch_stats
 from toolrl.models import resolve_dtype, resolve_model
 from toolrl.protocol import sample_record
-from toolrl.refserver.client import RefServerClient
+from toolrl.refserver.client import RefServerClient, RefServerUnavailable
 from toolrl.weightsync.pusher import WeightSync
 from toolrl.worker.client import evaluate_on_worker
 
@@ -220,7 +220,11 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
 
         def draw(n: int, tokens: int) -> list:
             catch_up(drawing=True)  # late workers get the policy while we wait
-            return ref.get_batch(n, tokens, wait_s=min(10.0, cfg.ref_server.batch_wait_s), min_samples=n) or []
+            try:
+                return ref.get_batch(n, tokens, wait_s=min(10.0, cfg.ref_server.batch_wait_s), min_samples=n) or []
+            except RefServerUnavailable as exc:  # busy or briefly away: the batch deadline bounds the wait
+                log.warning("no batch this round: %s", exc)
+                return []
 
         try:
             got = gather_batch(draw, want, budget, t0 + cfg.learner.batch_timeout_s, cfg.grpo.dynamic_sampling,

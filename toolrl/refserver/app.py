@@ -119,6 +119,7 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     registry = WorkerRegistry(rs.worker_ttl_s, on_expire=expired)
     leases = Leases(queue, reference, rs.replica_lease_s, log)
     uploads, batches = Replay(10_000, 600.0), Replay(8, 600.0)
+    retried_batches: dict[str, asyncio.Event] = {}  # batch requests in progress -> set when a retry supersedes
     http = {"uploads_rejected": 0, "uploads_too_large": 0, "uploads_timed_out": 0, "uploads_busy": 0,
             "uploads_ahead_of_learner": 0}
     rejected_by_field: dict[str, int] = {}  # 400s for a sample's content, by the field at fault
@@ -199,20 +200,22 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     async def upload(request: Request, wait_s: float = Query(0.0, ge=0, le=MAX_UPLOAD_WAIT_S)):
         upload_id = request.headers.get("x-upload-id")
         if upload_id is None:
-            return await admit(request, wait_s)
-        if len(upload_id) > 128:
-            raise reject(400, "X-Upload-Id is longer than 128 characters")
-        if (done := uploads.get(upload_id)) is not None:
-            return {**done, "duplicate": True}
-        if upload_id in uploads.in_flight:
-            raise _busy(f"upload {upload_id} is still being admitted; retry")
-        uploads.in_flight.add(upload_id)  # no await since the checks: a concurrent retry sees it
-        try:
             result = await admit(request, wait_s)
-        finally:
-            uploads.in_flight.discard(upload_id)
-        uploads.put(upload_id, result)
+        else:
+            if len(upload_id) > 128:
+                raise reject(400, "X-Upload-Id is longer than 128 characters")
+            if (done := uploads.get(upload_id)) is not None:
+                return {**done, "duplicate": True}
+            if upload_id in uploads.in_flight:
+                raise _busy(f"upload {upload_id} is still being admitted; retry")
+            uploads.in_flight.add(upload_id)  # no await since the checks: a concurrent retry sees it
+            try:
+                result = await admit(request, wait_s)
+            finally:
+                uploads.in_flight.discard(upload_id)
+            uploads.put(upload_id, result)
         # The group's grant ends with its upload: its samples are now queued (or dropped as stale).
+        # With or without an upload id (without one, the room stayed held for the grant's lease).
         grant_id = request.headers.get("x-grant-id")
         if grants is not None and grant_id and grants.release(grant_id):
             queue.notify()
@@ -225,7 +228,9 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         except SampleTooLong as exc:  # as check_sample says it, before any list was built
             raise Refused(exc.index, "length", f"{exc.tokens} tokens, over the model's {exc.limit} positions") from None
         reference.validate(samples)
-        return samples
+        # Reference logprobs are this server's to compute (or none, at beta 0): a client's are dropped.
+        # Kept, a batch mixing samples with and without them could not be encoded, and was lost.
+        return [s if s.ref_logprobs is None else s.model_copy(update={"ref_logprobs": None}) for s in samples]
 
     async def receive(request: Request) -> list[Sample]:
         """Read the body under its deadline and the byte budget, then decode it in one of the few
@@ -286,16 +291,27 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
                     version: int | None = Query(None, ge=0)):
         if version is not None:  # the learner's version, so a restarted server learns it without a push
             announce(version, forward_only=True)
+        superseded = asyncio.Event()
         if request_id is not None:
+            if request_id in retried_batches:
+                # A retry while the first is still waiting: its client is gone (the answer was lost).
+                # The first leaves at once taking nothing, unless it already took (then its answer is
+                # kept for this retry); a 503 here made the learner's retries run out (found in review).
+                retried_batches[request_id].set()
+                queue.notify()
+                try:
+                    async with asyncio.timeout(rs.body_timeout_s):
+                        while request_id in retried_batches:
+                            await asyncio.sleep(0.005)
+                except TimeoutError:
+                    raise _busy(f"batch request {request_id} is still being answered; retry") from None
             if (done := batches.get(request_id)) is not None:
                 return Response(done, media_type=CONTENT_TYPE)
-            if request_id in batches.in_flight:
-                raise _busy(f"batch request {request_id} is still in progress; retry")
-            batches.in_flight.add(request_id)
+            retried_batches[request_id] = superseded
         try:
             entries = await queue.take_batch(max_samples, max_tokens, min_samples,
                                              rs.batch_wait_s if wait_s is None else wait_s,
-                                             client_gone=request.is_disconnected)
+                                             client_gone=request.is_disconnected, abandoned=superseded.is_set)
             if not entries:
                 return Response(status_code=204, headers={"X-Queue-Samples": str(queue.core.samples)})
             now = time.monotonic()
@@ -303,13 +319,17 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
                      "compute_s": [round(e.compute_s, 6) for e in entries],
                      "queue_s": [round(now - e.enqueued_at, 6) for e in entries]}
             big = sum(e.tokens for e in entries) > INLINE_CODEC_BYTES // 16  # ~16 wire bytes per token
-            body = await _off_loop(big, lambda: encode_samples([e.sample for e in entries], ref_server=extra))
+            try:
+                body = await _off_loop(big, lambda: encode_samples([e.sample for e in entries], ref_server=extra))
+            except BaseException:  # nothing was delivered: the samples go back, not lost (nor counted out)
+                queue.untake(entries)
+                raise
             if request_id is not None:
                 batches.put(request_id, body)
             return Response(body, media_type=CONTENT_TYPE)
         finally:
-            if request_id is not None:
-                batches.in_flight.discard(request_id)
+            if request_id is not None and retried_batches.get(request_id) is superseded:
+                del retried_batches[request_id]
 
     def announce(v: int, forward_only: bool = False) -> tuple[int, int]:
         """The learner's version is `v` -> (previous, dropped stale)."""

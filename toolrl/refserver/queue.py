@@ -247,6 +247,17 @@ class SampleQueue:
         self.counters.samples_out += len(out)
         return out
 
+    def untake(self, entries: list[Entry]) -> None:
+        """Samples taken but never delivered (their batch could not be sent): ready again, first in
+        line, and no longer counted out."""
+        for e in entries:
+            heapq.heappush(self._ready, ((e.seq,) if self.order == "fifo" else (-e.group, e.seq), e))
+            self.samples += 1
+            self.nbytes += e.nbytes
+            lag = max(0, self.learner_version - e.sample.policy_version)
+            self.counters.staleness[lag] -= 1
+        self.counters.samples_out -= len(entries)
+
     # -- the learner's version ---------------------------------------------------------------
     def set_version(self, version: int) -> int:
         """Record the learner's policy version and drop what it makes stale. Returns the number dropped."""
@@ -385,11 +396,18 @@ class AsyncSampleQueue:
         self.core.requeue(entries)
         self.notify()
 
+    def untake(self, entries: list[Entry]) -> None:
+        self.core.untake(entries)
+        self.notify()
+
     async def take_batch(self, max_samples: int, max_tokens: int, min_samples: int = 1,
                          wait_s: float = 10.0,
-                         client_gone: Callable[[], Awaitable[bool]] | None = None) -> list[Entry]:
+                         client_gone: Callable[[], Awaitable[bool]] | None = None,
+                         abandoned: Callable[[], bool] = lambda: False) -> list[Entry]:
         """Wait up to `wait_s` for `min_samples` ready samples (capped by max_samples), then take what is
-        ready; [] if nothing is. `client_gone` is checked before taking, so a gone client takes nothing.
+        ready; [] if nothing is. `client_gone` is checked before taking, so a gone client takes nothing;
+        `abandoned` (a retry took over the request: call notify() when it turns true) ends the wait
+        at once, taking nothing.
 
         The wait ends early when `min_samples` can never be reached by waiting: an upload is waiting
         for space and everything held is fewer than needed. Space frees only by delivery, so the
@@ -399,9 +417,10 @@ class AsyncSampleQueue:
         core = self.core
 
         def enough() -> bool:
-            return core.ready >= need or (bool(self._waiters) and 0 < core.ready and core.samples < need)
+            return (abandoned() or core.ready >= need
+                    or (bool(self._waiters) and 0 < core.ready and core.samples < need))
         await self.wait_until(enough, wait_s)
-        if not core.ready or (client_gone is not None and await client_gone()):
+        if not core.ready or abandoned() or (client_gone is not None and await client_gone()):
             return []
         out = core.take_ready(max_samples, max_tokens)
         self.notify()  # space freed for waiting uploads
