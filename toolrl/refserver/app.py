@@ -173,7 +173,8 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
             await asyncio.gather(*tasks, return_exceptions=True)
             reference.close()
 
-    app = FastAPI(title="toolrl reference server", lifespan=lifespan)
+    # no /docs, /redoc or /openapi.json: they answered without the token (docs/REF_SERVER.md lists the API)
+    app = FastAPI(title="toolrl reference server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.queue, app.state.reference, app.state.registry, app.state.stats = queue, reference, registry, stats
     install_error_handlers(app, log)
     # JSON routes: the largest legitimate body is a resume set of every worker's state. /upload

@@ -67,7 +67,7 @@ class EvalRequest(BaseModel):
 
 def build_app(worker) -> FastAPI:
     """The API of `worker`, a toolrl.worker.service.GenWorker (which imports this module)."""
-    app = FastAPI(title="toolrl gen worker")
+    app = FastAPI(title="toolrl gen worker", docs_url=None, redoc_url=None, openapi_url=None)  # none without the token
     auth = Depends(bearer_auth(worker.cfg.rollout.token))
     install_error_handlers(app, log)
     # buckets stream under their own cap (exact paths: /update_weights_broadcast is a JSON route)
