@@ -212,3 +212,17 @@ def test_a_replica_needs_a_reference_to_compute(tmp_path):
                         "grpo.beta=0"], capture_output=True, text=True, timeout=120,
                        cwd=str(__import__("procs").ROOT))
     assert p.returncode != 0 and "needs grpo.beta > 0" in p.stderr
+
+
+def test_a_replicas_compute_time_counts_only_as_seconds(monkeypatch):
+    """A replica's `compute_s` was taken as any float: NaN broke /stats for good and the next batch's
+    encoding (its samples lost), negative ones ran the totals backwards (found in review)."""
+    monkeypatch.setattr(reference_mod, "load_reference_model", no_model)
+    with serve(front()) as url, httpx.Client(base_url=url) as h, RefServerClient(url) as c:
+        asyncio.run(_upload(url, [mk(1)], [mk(2)]))
+        for bad in (-5.0, 1e300):
+            lid, samples = lease(h, max_tokens=1)
+            assert answer(h, lid, marks(samples), compute_s=bad).status_code == 200
+        got = c.get_batch(10, 10**6, wait_s=5)
+        stats = c.stats()
+    assert len(got) == 2 and stats["reference"]["compute_s_total"] == 0.0

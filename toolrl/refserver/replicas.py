@@ -218,8 +218,11 @@ def router(leases: Leases, cfg: Config) -> APIRouter:
             leases.late += 1
             raise HTTPException(status_code=409, detail=f"lease {lease_id!r} ran out while its answer arrived")
         compute_s = meta.get("compute_s", 0.0)
+        # a replica's own report: only a finite, non-negative number of seconds counts (a NaN broke
+        # /stats for good and the next batch's encoding; found in review)
+        ok = isinstance(compute_s, (int, float)) and not isinstance(compute_s, bool) and 0 <= compute_s < 1e9
         try:
-            return leases.answer(lease_id, rows, float(compute_s) if isinstance(compute_s, (int, float)) else 0.0)
+            return leases.answer(lease_id, rows, float(compute_s) if ok else 0.0)
         except Refused as exc:
             raise HTTPException(status_code=400, detail=f"refused answer, its window goes back: {exc}") from None
 
