@@ -196,3 +196,31 @@ def test_an_upload_without_an_upload_id_still_ends_its_grant():
                    headers={"Content-Type": CONTENT_TYPE, "X-Grant-Id": g["grant_id"]})
         flow = h.get("/stats").json()["flow"]
     assert r.status_code == 200 and flow["in_flight"] == 0 and flow["released_total"] == 1, flow
+
+
+def test_dynamic_sampling_and_a_restarted_learner_find_room():
+    """With dynamic sampling the learner draws up to max_draws batches a step (leaving out groups
+    without signal), but the room was one batch a version: once it had taken one, no grant came and
+    the learner waited out its batch deadline; a learner restarted at the version the server holds
+    found the room used up the same way (found in review)."""
+    cfg = config(max_staleness=0, _extra=["learner.batch_samples=4", "grpo.dynamic_sampling=true",
+                                          "grpo.max_draws=3"])
+    with serve(create_app(cfg)) as url, httpx.Client(base_url=url) as h:
+        from toolrl.protocol import CONTENT_TYPE, encode_samples
+
+        def group(tag):
+            g = h.post("/grants", json={"worker_id": "w1", "n": 2}).json()
+            h.post("/upload", content=encode_samples([mk(tag), mk(tag + 1)]),
+                   headers={"Content-Type": CONTENT_TYPE, "X-Grant-Id": g["grant_id"]})
+        for tag in (10, 20):
+            group(tag)
+        assert h.get("/batch", params={"max_samples": 4, "min_samples": 4, "wait_s": 5}).status_code == 200
+        r = h.post("/grants", json={"worker_id": "w1", "n": 2})  # the step draws again: room for it
+        assert r.status_code == 200, r.headers
+        h.delete(f"/grants/{r.json()['grant_id']}")
+        for tag in (30, 40, 50, 60):
+            group(tag)
+        assert h.get("/batch", params={"max_samples": 8, "min_samples": 8, "wait_s": 5}).status_code == 200
+        assert h.post("/grants", json={"worker_id": "w1", "n": 2}).status_code == 204  # 3 batches taken: none
+        h.post("/version", json={"version": 0, "restart": True})  # a new learner at the same version
+        assert h.post("/grants", json={"worker_id": "w1", "n": 2}).status_code == 200

@@ -120,6 +120,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         trainer.version = from_rank0(trainer.version, world)
         named = state()  # every rank: a ZeRO-3 gather is collective
         if rank0:
+            ref.set_version(trainer.version, restart=True)
             sync.push(named, trainer.version)
             # Each worker continues its problem stream and curriculum where it was at the checkpoint
             # (the reference server hands a state back to the worker of that id at its next heartbeat).
@@ -128,7 +129,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
                 ref.set_resume_states(workers)
                 log.info("handed back the problem-stream state of %d workers", len(workers))
     elif rank0:
-        ref.set_version(trainer.version)
+        ref.set_version(trainer.version, restart=True)
 
     def checkpoint() -> None:
         """On every rank (each writes its ZeRO shard); with what the loop needs to continue exactly.

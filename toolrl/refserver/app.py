@@ -87,6 +87,10 @@ class VersionBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=0)
     finished: bool = False  # the learner trains no more: no group may start (until a version without it)
+    # a learner (re)starting: what was delivered at this version went to one that is gone, so it uses
+    # none of this version's room (flow control); without it a learner restarted at the version the
+    # server holds found the room used up and waited out its batch deadline
+    restart: bool = False
 
 
 class GrantBody(BaseModel):
@@ -108,7 +112,11 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     reference = Reference(cfg, model=model, log=log)
     queue = AsyncSampleQueue(SampleQueue(rs.max_queue_samples, rs.max_queue_bytes, rs.order, rs.max_staleness),
                              max_upload_waiters=MAX_UPLOAD_WAITERS)
-    samples_per_version = cfg.learner.batch_samples * cfg.learner.sync_every
+    # what the learner draws per version: with dynamic sampling up to max_draws batches (it leaves out
+    # groups without signal and draws again); at one batch the room ran out mid-step, and no grant came
+    # until a version the learner could not reach (found in review)
+    draws = cfg.grpo.max_draws if cfg.grpo.dynamic_sampling else 1
+    samples_per_version = cfg.learner.batch_samples * cfg.learner.sync_every * draws
     grants = Grants(samples_per_version, rs.max_staleness, rs.grant_lease_s) if rs.flow_control else None
 
     def expired(w) -> None:
@@ -347,6 +355,9 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     @app.post("/version", dependencies=auth)
     async def set_version(body: VersionBody):
         old, dropped = announce(body.version)
+        if body.restart:
+            queue.core.restart_version()
+            queue.notify()
         if body.finished != finished[0]:
             finished[0] = body.finished
             log.info("the learner %s at v%d", "finished training: no more groups start" if body.finished

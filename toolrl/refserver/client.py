@@ -293,10 +293,11 @@ class RefServerClient:
         self.last_batch_meta = extra.get("ref_server", {})
         return samples
 
-    def set_version(self, version: int) -> dict[str, Any]:
+    def set_version(self, version: int, restart: bool = False) -> dict[str, Any]:
         """Announce the learner's policy version (the server drops what it makes stale, and refuses
-        samples claiming a newer one)."""
-        answer = self._request("POST", "/version", json={"version": version}).json()
+        samples claiming a newer one). `restart`: a learner starting or resuming, which took none of
+        what the server delivered so far."""
+        answer = self._request("POST", "/version", json={"version": version, "restart": restart}).json()
         self.version = version
         return answer
 

@@ -259,6 +259,10 @@ class SampleQueue:
         self.counters.samples_out -= len(entries)
 
     # -- the learner's version ---------------------------------------------------------------
+    def restart_version(self) -> None:
+        """A learner (re)started at the current version: nothing delivered so far counts as its share."""
+        self._out_at_version = self.counters.samples_out
+
     def set_version(self, version: int) -> int:
         """Record the learner's policy version and drop what it makes stale. Returns the number dropped."""
         before = self.counters.dropped_stale
