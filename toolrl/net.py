@@ -117,7 +117,23 @@ async def read_body_capped(request: Request, max_bytes: int, timeout_s: float | 
 
 
 def install_error_handlers(app: FastAPI, log: logging.Logger) -> None:
-    """Unexpected exceptions become a JSON 500 with the reason, logged, and the server keeps serving."""
+    """Unexpected exceptions become a JSON 500 with the reason, logged, and the server keeps serving.
+    A client that leaves mid-request is a line, not a traceback (a worker dying mid-upload is
+    routine); a 422 never echoes the input (FastAPI's did, and a NaN in it made the answer itself
+    fail: a 500 with two tracebacks; found in review)."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.requests import ClientDisconnect
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect):
+        log.info("client left during %s %s", request.method, request.url.path)
+        return JSONResponse(status_code=400, content={"detail": "the client left before its request was whole"})
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+                  for e in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": errors})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):  # pragma: no cover - last resort

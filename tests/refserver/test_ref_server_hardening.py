@@ -294,3 +294,32 @@ def test_408_and_503_are_retried_within_the_wait():
     with serve(create_app(config())) as url:
         with pytest.raises(RefServerUnavailable, match="not accepted within"):
             asyncio.run(_upload(url, [mk(1, version=1)], max_wait_s=1.0))  # v1 never announced: 503
+
+
+def test_nan_in_json_is_a_422_and_a_client_that_leaves_mid_upload_is_no_error(caplog):
+    """`{"version": NaN}` was a 500 with two tracebacks: FastAPI's 422 echoed the NaN and could not be
+    rendered. A worker that died mid-upload was an ERROR with a traceback (found in review)."""
+    import socket
+
+    from procs import free_port
+
+    port = free_port()
+    with serve(create_app(config()), port=port) as url, httpx.Client(base_url=url) as h:
+        h.post("/workers", json={"id": "w1", "url": "http://127.0.0.1:1"})
+        for path, body in (("/version", '{"version": NaN}'), ("/workers", '{"id": "w", "url": "http://a:1", '
+                                                                          '"policy_version": Infinity}'),
+                           ("/workers/w1/heartbeat", '{"policy_version": NaN}'), ("/grants", '{"worker_id": "w1", '
+                                                                                           '"n": 1, "wait_s": NaN}')):
+            r = h.post(path, content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 422 and r.json()["detail"][0]["loc"], (path, r.status_code, r.text[:200])
+        with caplog.at_level("INFO"):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Type: " + CONTENT_TYPE.encode()
+                      + b"\r\nContent-Length: 100000\r\n\r\n" + b"x" * 1000)
+            s.close()  # gone with 99 KB still to send
+            deadline = time.time() + 10
+            while "client left during POST /upload" not in caplog.text and time.time() < deadline:
+                time.sleep(0.1)
+        assert h.get("/health").status_code == 200
+    assert "client left during POST /upload" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text[-2000:]
