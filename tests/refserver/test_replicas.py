@@ -226,3 +226,19 @@ def test_a_replicas_compute_time_counts_only_as_seconds(monkeypatch):
         got = c.get_batch(10, 10**6, wait_s=5)
         stats = c.stats()
     assert len(got) == 2 and stats["reference"]["compute_s_total"] == 0.0
+
+
+def test_a_replica_configured_unlike_its_server_says_so_before_loading_a_model(monkeypatch):
+    """A replica at another temperature (or model) than its server sent reference logprobs no check
+    could tell from right ones; a wrong token was a traceback after the model had loaded (found in
+    review). Both are one line now, before the model loads."""
+    from test_ref_server import config as cfg_of
+    from toolrl.refserver.replicas import run_replica
+
+    monkeypatch.setattr(reference_mod, "load_reference_model", no_model)
+    with serve(front(token="s3cret")) as url:
+        for sets, says in ((["ref_server.token=wrong"], "refuses us"),
+                           (["ref_server.token=s3cret", "rollout.temperature=1.0"], "temperature 0.7, this replica")):
+            cfg = cfg_of(_extra=["grpo.beta=0.04", *sets])
+            with pytest.raises(SystemExit, match=says):
+                run_replica(cfg, url)

@@ -230,6 +230,34 @@ def router(leases: Leases, cfg: Config) -> APIRouter:
 
 
 # -- the replica process ----------------------------------------------------------------------------
+def _check_server(cfg: Config, url: str, stop: threading.Event, log: logging.Logger) -> None:
+    """Before the model loads: the server takes our token and computes what we would, the same
+    model at the same temperature. A replica configured otherwise sent wrong reference logprobs
+    that no check could see, and a wrong token was a traceback after the model had loaded (found in
+    review). A server not up yet is waited for."""
+    from toolrl.refserver.client import RefServerClient, RefServerError, RefServerUnavailable
+
+    with RefServerClient(url, token=cfg.ref_server.token) as client:
+        while not stop.is_set():
+            try:
+                theirs = client.stats()["reference"]
+                break
+            except RefServerUnavailable as exc:
+                log.warning("server unreachable: %s; trying again", exc)
+                stop.wait(2.0)
+            except RefServerError as exc:
+                raise SystemExit(f"reference replica: the server at {url} refuses us: {exc}") from None
+        else:
+            return
+    if not theirs.get("enabled"):
+        raise SystemExit(f"reference replica: the server at {url} computes no reference logprobs (grpo.beta 0 there)")
+    mine = {"model": cfg.model.name, "temperature": cfg.rollout.temperature}
+    if {k: theirs.get(k) for k in mine} != mine:
+        raise SystemExit(f"reference replica: the server at {url} computes with model {theirs.get('model')!r} at "
+                         f"temperature {theirs.get('temperature')}, this replica with {mine['model']!r} at "
+                         f"{mine['temperature']}: start it with the server's config")
+
+
 def run_replica(cfg: Config, url: str, replica_id: str | None = None, stop: threading.Event | None = None,
                 log: logging.Logger | None = None) -> None:
     """Lease, compute, answer, until `stop` is set. The server being away is waited out (retried, and
@@ -241,6 +269,7 @@ def run_replica(cfg: Config, url: str, replica_id: str | None = None, stop: thre
         raise SystemExit("a reference replica computes reference logprobs: it needs grpo.beta > 0")
     stop = stop or threading.Event()
     replica_id = replica_id or f"replica-{uuid.uuid4().hex[:8]}"
+    _check_server(cfg, url, stop, log)
     reference = Reference(cfg.model_copy(update={"ref_server": cfg.ref_server.model_copy(
         update={"local_reference": True})}), log=log)
     max_tokens = WINDOW_BUDGETS * reference.token_budget
