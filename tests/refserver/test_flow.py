@@ -224,3 +224,22 @@ def test_dynamic_sampling_and_a_restarted_learner_find_room():
         assert h.post("/grants", json={"worker_id": "w1", "n": 2}).status_code == 204  # 3 batches taken: none
         h.post("/version", json={"version": 0, "restart": True})  # a new learner at the same version
         assert h.post("/grants", json={"worker_id": "w1", "n": 2}).status_code == 200
+
+
+def test_refused_total_counts_refused_requests():
+    """It counted every re-check of a waiting request: one request waiting across 20 uploads added 21
+    (found in review)."""
+    import threading
+
+    from toolrl.protocol import CONTENT_TYPE, encode_samples
+
+    cfg = config(max_staleness=0, _extra=["learner.batch_samples=2"])  # room: 2
+    with serve(create_app(cfg)) as url, httpx.Client(base_url=url) as h:
+        assert h.post("/grants", json={"worker_id": "w1", "n": 2}).status_code == 200  # all the room
+        waiting = threading.Thread(target=lambda: h.post("/grants", json={"worker_id": "w2", "n": 2, "wait_s": 2}))
+        waiting.start()
+        time.sleep(0.3)
+        for i in range(10):  # each upload wakes the waiting request, which looks again
+            h.post("/upload", content=encode_samples([mk(100 + i)]), headers={"Content-Type": CONTENT_TYPE})
+        waiting.join()
+        assert h.get("/stats").json()["flow"]["refused_total"] == 1

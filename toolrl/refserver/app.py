@@ -433,6 +433,7 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
                                  body.request_id)
             return got[0] is not None
         if not await queue.wait_until(answered, body.wait_s) or finished[0]:
+            grants.refused_total += 1
             room_left = 0 if finished[0] else grants.capacity(core.samples, core.delivered_since_version)
             return Response(status_code=204, headers={"X-Flow-Capacity": str(room_left)})
         return {"grant_id": got[0], "n": body.n}

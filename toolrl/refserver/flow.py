@@ -61,8 +61,7 @@ class Grants:
             if (g.worker_id, g.n) == (worker_id, n):
                 return gid
         if self.capacity(queued, delivered_since_version) < 1:  # any room: see the module's doc
-            self.refused_total += 1
-            return None
+            return None  # counted in refused_total by the caller, once per request (a wait re-checks)
         gid = secrets.token_hex(8)
         self._held[gid] = Grant(worker_id, n, self.clock() + self.lease_s, request_id)
         if request_id is not None:
@@ -95,6 +94,7 @@ class Grants:
             self.expired_total += 1
 
     def stats(self) -> dict:
+        self.expire()  # what is held now, not what ran out since the last request
         return {"limit": self.limit, "in_flight": self.in_flight, "grants": len(self._held),
                 "granted_total": self.granted_total, "refused_total": self.refused_total,
                 "released_total": self.released_total, "expired_total": self.expired_total}
