@@ -199,9 +199,10 @@ def test_registration_waits_for_a_server_still_starting_and_gives_up_clearly():
     asyncio.run(main())
 
 
-def test_resumed_learner_hands_each_worker_its_state_once():
+def test_resumed_learner_hands_each_worker_its_state_until_it_is_applied():
     """The learner reads the states workers heartbeat (for its checkpoint); a resumed learner hands them
-    back, and each worker gets its own exactly once, in a heartbeat or a register answer."""
+    back, and each worker gets its own in heartbeat or register answers until it says it applied it
+    (handed once, a retry after a lost answer got nothing: found in review)."""
     mine = {"source": "arithmetic", "level": 2, "drawn": 5, "recent_acc": [0.5, 1.0], "groups": 12}
 
     async def main(url):
@@ -214,10 +215,14 @@ def test_resumed_learner_hands_each_worker_its_state_once():
                 assert c.set_resume_states({"w1": mine, "w3": {"level": 3}}) == {"ok": True, "pending": 2}
                 assert c.stats()["workers"]["resume_states_pending"] == 2
                 assert (await a.heartbeat("w2", 0))["resume_state"] is None  # not its state
-                assert (await a.heartbeat("w1", 0))["resume_state"] == mine
-                assert (await a.heartbeat("w1", 0))["resume_state"] is None  # once
+                first = await a.heartbeat("w1", 0)
+                assert first["resume_state"] == mine
+                assert (await a.heartbeat("w1", 0))["resume_state"] == mine  # the first answer was lost
+                assert (await a.heartbeat("w1", 0, resume_applied=first["resume_id"]))["resume_state"] is None
                 # A worker that registers after the learner resumed gets its state in the answer.
-                assert (await a.register("w3", "http://127.0.0.1:9003", {}, 0))["resume_state"] == {"level": 3}
+                reg = await a.register("w3", "http://127.0.0.1:9003", {}, 0)
+                assert reg["resume_state"] == {"level": 3}
+                await a.heartbeat("w3", 0, resume_applied=reg["resume_id"])
                 assert c.stats()["workers"]["resume_states_pending"] == 0
                 for bad in [{"bad id": {}}, {"w1": [1, 2]}, {"w1": {"blob": "x" * 20000}}]:
                     with pytest.raises(RefServerError) as e:

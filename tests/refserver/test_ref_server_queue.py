@@ -243,7 +243,7 @@ def test_registry_expiry_and_reregistration():
         reg.register("w9", "http://x", {"blob": "x" * 20000})
 
 
-def test_registry_keeps_heartbeat_states_and_hands_resume_states_back_once():
+def test_registry_keeps_heartbeat_states_and_hands_resume_states_back_until_applied():
     reg = WorkerRegistry(ttl_s=10, max_workers=2)
     reg.register("w1", "http://127.0.0.1:1")
     assert reg.live()[0]["state"] is None  # no heartbeat with a state yet
@@ -260,18 +260,22 @@ def test_registry_keeps_heartbeat_states_and_hands_resume_states_back_once():
 
     assert reg.set_resume_states({"w1": {"level": 3}, "w2": {"level": 1}}) == 2
     assert reg.stats()["resume_states_pending"] == 2
-    assert reg.take_resume_state("w1") == {"level": 3}
-    assert reg.take_resume_state("w1") is None  # once
-    assert reg.take_resume_state("w9") is None and reg.stats()["resume_states_pending"] == 1
+    rid, got = reg.resume_state("w1")
+    assert got == {"level": 3} and reg.resume_state("w1") == (rid, got)  # again: the first answer may be lost
+    reg.applied_resume("w1", "another-id")
+    assert reg.resume_state("w1") == (rid, got)  # an older resume's id changes nothing
+    reg.applied_resume("w1", rid)
+    assert reg.resume_state("w1") is None and reg.resume_state("w9") is None
+    assert reg.stats()["resume_states_pending"] == 1
     for bad, match in [({"a": {}, "b": {}, "c": {}}, "more than max_workers"), ({"bad id": {}}, "worker id"),
                        ({"w1": [1]}, "state of w1 must be a JSON object"),
                        ({"w1": {"b": "x" * 20000}}, "over the limit"),
                        ([("w1", {})], "JSON object of worker id")]:
         with pytest.raises(RegistryError, match=match):
             reg.set_resume_states(bad)
-    assert reg.take_resume_state("w2") == {"level": 1}  # a refused set left the pending one alone
+    assert reg.resume_state("w2")[1] == {"level": 1}  # a refused set left the pending one alone
     reg.set_resume_states({"w1": {"level": 2}})
-    assert reg.set_resume_states({"w2": {"level": 2}}) == 1 and reg.take_resume_state("w1") is None  # replaced
+    assert reg.set_resume_states({"w2": {"level": 2}}) == 1 and reg.resume_state("w1") is None  # replaced
 
 
 def test_replay_cache_is_bounded():

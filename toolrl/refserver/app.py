@@ -75,6 +75,7 @@ class HeartbeatBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     policy_version: int | None = Field(None, ge=0)
     state: dict[str, Any] | None = None  # the worker's producer state, kept for the learner's checkpoints
+    resume_applied: str | None = Field(None, max_length=64)  # the resume id (handed back) it has applied
 
 
 class ResumeBody(BaseModel):
@@ -381,7 +382,7 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
         log.info("worker %s registered at %s (policy v%d)", w.id, w.url, w.policy_version)
         return {**w.public(time.monotonic()), "ttl_s": rs.worker_ttl_s,
                 "learner_version": queue.core.learner_version, "training_over": finished[0],
-                "resume_state": handed_back(w.id)}
+                **handed_back(w.id)}
 
     @app.post("/workers/{worker_id}/heartbeat", dependencies=auth)
     async def heartbeat(worker_id: str, body: HeartbeatBody | None = None):
@@ -391,14 +392,19 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
             raise HTTPException(status_code=exc.status, detail=str(exc)) from None
         if w is None:
             raise HTTPException(status_code=404, detail=f"unknown or expired worker {worker_id!r}; register again")
+        if body is not None and body.resume_applied:
+            registry.applied_resume(w.id, body.resume_applied)
         return {"ok": True, "ttl_s": rs.worker_ttl_s, "learner_version": queue.core.learner_version,
-                "training_over": finished[0], "resume_state": handed_back(w.id)}
+                "training_over": finished[0], **handed_back(w.id)}
 
-    def handed_back(worker_id: str) -> dict[str, Any] | None:
-        state = registry.take_resume_state(worker_id)
-        if state is not None:
-            log.info("worker %s: handed back its producer state from the checkpoint", worker_id)
-        return state
+    def handed_back(worker_id: str) -> dict[str, Any]:
+        """The answer's resume_state and resume_id: the worker's state from the checkpoint, until it
+        says it applied it."""
+        held = registry.resume_state(worker_id)
+        if held is None:
+            return {"resume_state": None, "resume_id": None}
+        log.info("worker %s: handed back its producer state from the checkpoint", worker_id)
+        return {"resume_state": held[1], "resume_id": held[0]}
 
     @app.post("/workers/resume", dependencies=auth)
     async def resume(body: ResumeBody):

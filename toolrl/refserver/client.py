@@ -167,14 +167,17 @@ class AsyncRefServerClient:
                     said = True
                 await asyncio.sleep(1.0)
 
-    async def heartbeat(self, worker_id: str, policy_version: int,
-                        state: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """The server's answer ({ok, ttl_s, learner_version, resume_state}, truthy) if it knows us; None
-        if it forgot us (expired or restarted): register again. `state`: our producer state, which the
-        learner checkpoints; `resume_state` is ours from the checkpoint a resumed run started from."""
+    async def heartbeat(self, worker_id: str, policy_version: int, state: dict[str, Any] | None = None,
+                        resume_applied: str | None = None) -> dict[str, Any] | None:
+        """The server's answer ({ok, ttl_s, learner_version, resume_state, resume_id}, truthy) if it knows
+        us; None if it forgot us (expired or restarted): register again. `state`: our producer state,
+        which the learner checkpoints; `resume_state` is ours from the checkpoint a resumed run started
+        from, handed back until a heartbeat says `resume_applied` with its `resume_id`."""
         body: dict[str, Any] = {"policy_version": policy_version}
         if state is not None:
             body["state"] = state
+        if resume_applied is not None:
+            body["resume_applied"] = resume_applied
         r = await self._request("POST", f"/workers/{worker_id}/heartbeat", ok=(200, 404), json=body)
         return r.json() if r.status_code == 200 else None
 
@@ -202,25 +205,30 @@ class AsyncRefServerClient:
                               state: Callable[[], dict[str, Any] | None] | None = None,
                               on_resume: Callable[[dict[str, Any]], None] | None = None,
                               on_training_over: Callable[[bool], None] | None = None,
-                              registered: bool = False) -> None:
+                              registered: bool = False, applied: str | None = None) -> None:
         """Register, then heartbeat every `interval_s` and re-register when forgotten. Runs until cancelled;
         server trouble is logged and retried, never raised. `state()` is sent with every heartbeat;
         `on_resume(state)` gets the resume state an answer carries, `on_training_over(over)` whether
-        the learner has finished (`finish`) (their errors are logged, not raised). `registered`: the
-        caller has just registered, so heartbeats come first (registering a live id again means a
-        restarted worker to the server, which releases that id's flow-control grants)."""
+        the learner has finished (`finish`) (their errors are logged, not raised), once per resume
+        id, said applied in the next heartbeat. `registered`: the caller has just registered, so
+        heartbeats come first (registering a live id again means a restarted worker to the server,
+        which releases that id's flow-control grants); `applied`: the resume id its answer carried,
+        if the caller applied that state."""
         while True:
             try:
                 if not registered:
                     answer = await self.register(worker_id, url, capabilities, policy_version())
                     registered = True
                 else:
-                    answer = await self.heartbeat(worker_id, policy_version(), state() if state else None)
+                    answer = await self.heartbeat(worker_id, policy_version(), state() if state else None,
+                                                  resume_applied=applied)
                     if answer is None:
                         log.warning("reference server forgot worker %s; registering again", worker_id)
                         registered = False
                         continue
-                if on_resume is not None and answer.get("resume_state") is not None:
+                rid = answer.get("resume_id")
+                if on_resume is not None and answer.get("resume_state") is not None and rid != applied:
+                    applied = rid  # said at the next heartbeat; a state that fails to apply is not retried
                     try:
                         on_resume(answer["resume_state"])
                     except Exception:  # noqa: BLE001 - a bad state must not end the heartbeats

@@ -9,13 +9,15 @@ bounded (`max_workers`).
 
 A worker's heartbeats may carry its producer state (where its problem stream and curriculum stand),
 which the learner saves in its checkpoints. A run resumed from one hands those states back
-(`set_resume_states`) and each worker takes its own once, in a register or heartbeat answer.
+(`set_resume_states`) and each worker gets its own in register and heartbeat answers until it says
+it applied it.
 """
 from __future__ import annotations
 
 import json
 import re
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,12 +157,19 @@ class WorkerRegistry:
         for worker_id, state in states.items():
             _check_id(worker_id)
             _check_object(f"state of {worker_id}", state, MAX_STATE_BYTES)
-        self._resume = dict(states)
+        rid = uuid.uuid4().hex[:12]  # one id per resume: a worker applies each once
+        self._resume = {worker_id: (rid, state) for worker_id, state in states.items()}
         return len(self._resume)
 
-    def take_resume_state(self, worker_id: str) -> dict[str, Any] | None:
-        """The state waiting for this worker, handed over once (a second take is None)."""
-        return self._resume.pop(worker_id, None)
+    def resume_state(self, worker_id: str) -> tuple[str, dict[str, Any]] | None:
+        """(id, state) waiting for this worker: handed over in every answer until the worker says it
+        applied it (`applied_resume`). Taken at the first hand-over, a retry after a lost answer got
+        nothing and the worker re-drew problems already trained (found in review)."""
+        return self._resume.get(worker_id)
+
+    def applied_resume(self, worker_id: str, resume_id: str) -> None:
+        if (held := self._resume.get(worker_id)) is not None and held[0] == resume_id:
+            del self._resume[worker_id]
 
     def remove(self, worker_id: str) -> bool:
         return self._workers.pop(worker_id, None) is not None

@@ -235,7 +235,8 @@ async def run_service(cfg: Config, worker_id: str | None, host: str, port: int, 
         hb = asyncio.create_task(ref.keep_registered(worker.worker_id, worker.public_url, worker.capabilities(),
                                                      lambda: worker.version, cfg.rollout.heartbeat_s,
                                                      state=worker.producer.state, on_resume=worker.resume,
-                                                     on_training_over=worker.training_over, registered=True))
+                                                     on_training_over=worker.training_over, registered=True,
+                                                     applied=reg.get("resume_id") if reg.get("resume_state") else None))
         learner_version = int(reg.get("learner_version", 0) or 0)
         if learner_version > worker.version:
             # A late joiner waits for the current weights before producing anything.
