@@ -141,7 +141,7 @@ def test_faults_through_launch_sh(tmp_path):
         assert launch.returncode == 1 and "ref_server died; stopping" in out, out[-2000:]
     finally:
         if launch.poll() is None:
-            os.killpg(launch.pid, signal.SIGINT)
+            os.killpg(launch.pid, signal.SIGTERM)  # not SIGINT: ignored in a suite run in the background
             launch.wait(60)
 
 
@@ -173,11 +173,13 @@ def test_ctrl_c_saves_the_steps_trained_since_the_last_checkpoint(tmp_path):
     launch = start(run_dir, ports, "--set", "learner.checkpoint_every=1000")  # none but the stop's
     try:
         wait_for("three steps", lambda: steps_done(run_dir) >= 3, 900, launch)
-        os.killpg(launch.pid, signal.SIGINT)  # a terminal's Ctrl-C: launch.sh's group (services have their own)
+        # Ctrl-C's path (launch.sh traps INT and TERM alike). SIGTERM, as a job scheduler sends: a suite
+        # run in the background (nohup, CI) starts launch.sh with SIGINT ignored, which no trap can undo
+        os.killpg(launch.pid, signal.SIGTERM)
         out = stopped_cleanly(launch, ports)
     finally:
         if launch.poll() is None:
-            os.killpg(launch.pid, signal.SIGINT)
+            os.killpg(launch.pid, signal.SIGTERM)
             launch.wait(60)
     assert launch.returncode == 130 and "the learner saves a checkpoint first" in out, out[-2000:]
     log = (run_dir / "logs" / "learner.log").read_text()

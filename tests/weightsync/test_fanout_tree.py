@@ -16,7 +16,7 @@ import torch
 from standin_pool import BUCKET_WAIT_S, assert_exact, loaded, running
 from toolrl.config import load_config
 from toolrl.net import auth_headers
-from toolrl.protocol import CONTENT_TYPE
+from toolrl.protocol import CONTENT_TYPE, incarnation
 from toolrl.weightsync.buckets import bucketize, encode_weight_bucket
 from toolrl.weightsync.fanout import PLAN_HEADER, FanoutPlan, PlanNode, make_plans, plan_for
 from toolrl.weightsync.gate import WeightGate
@@ -90,7 +90,7 @@ def test_a_tree_gets_bit_exact_weights_to_every_worker_and_the_learner_sends_one
     assert res["workers_ok"] == N and not res["failed"]
     assert res["egress_bytes"] == copy  # each byte left the learner once; the workers relayed the rest
     assert_exact(pool.workers, named, version)
-    assert all(s.pushed[(w["id"], w["url"])] == version for w in pool.workers)
+    assert all(s.pushed[incarnation(w)] == version for w in pool.workers)
 
 
 def test_fanout_zero_pushes_every_worker_directly_as_before(pool):

@@ -30,6 +30,7 @@ from toolrl.weightsync.pusher import WeightSync
 from toolrl.worker.client import evaluate_on_worker
 
 log = logging.getLogger("learner")
+MAX_WORKER_STATES = 1024  # the reference server's registry bound (toolrl.refserver.registry)
 
 
 def whole_batch(batch: list, world: int) -> list:
@@ -131,6 +132,10 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
     elif rank0:
         ref.set_version(trainer.version, restart=True)
 
+    # each worker's producer state as last seen, by id: a worker that died before a checkpoint (a
+    # preemption's SIGTERM reaches the learner after it) keeps its last state, as an earlier one had it
+    worker_states: dict = dict((run_state or {}).get("workers") or {})
+
     def checkpoint() -> None:
         """On every rank (each writes its ZeRO shard); with what the loop needs to continue exactly.
         A full disk costs this checkpoint, not the run: the partial one is removed (`latest` still
@@ -139,15 +144,20 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         latest = ckpt_dir / "latest"
         if latest.is_file() and latest.read_text().strip() == tag:
             return  # a resumed run that had already finished: rewriting its only checkpoint in place risks it
-        workers = {}
         if rank0:
             try:
-                workers = {w["id"]: w["state"] for w in ref.workers() if w.get("state")}
+                for w in ref.workers():
+                    if w.get("state"):
+                        worker_states.pop(w["id"], None)  # the newest last: the oldest go past the bound
+                        worker_states[w["id"]] = w["state"]
+                while len(worker_states) > MAX_WORKER_STATES:  # what the reference server takes back
+                    del worker_states[next(iter(worker_states))]
             except Exception as exc:  # a checkpoint without worker states still resumes the learner exactly
                 log.warning("could not read the workers' states for the checkpoint: %s", exc)
         try:
             trainer.save_checkpoint(ckpt_dir, {"teacher_weight": teacher_weight.state_dict(),
-                                               "train_elapsed_s": elapsed(), "workers": workers})
+                                               "train_elapsed_s": elapsed(),
+                                               "workers": dict(worker_states) if rank0 else {}})
         except OSError as exc:
             log.error("checkpoint %s failed (%s); training goes on from the last whole one (%s)", tag, exc,
                       latest.read_text().strip() if latest.is_file() else "none")
