@@ -12,9 +12,10 @@ from toolrl.tasks.code.judge import HARNESS, TestSpec, build_harness, judge, new
 
 
 def test_the_harness_sent_is_the_functions_source_and_needs_nothing_from_its_module():
-    assert HARNESS == "\n" + inspect.getsource(harness._toolrl_harness)
+    assert HARNESS == "\n" + inspect.getsource(harness._toolrl_digest) + "\n\n" + inspect.getsource(
+        harness._toolrl_harness)
     # self-contained: no toolrl inside, and the runs below are `python -c` of this source alone
-    assert "toolrl" not in HARNESS.replace("_toolrl_harness", "")
+    assert "toolrl" not in HARNESS.replace("_toolrl_harness", "").replace("_toolrl_digest", "")
     code = build_harness("x = 1", TestSpec("assert", tests=["assert x == 1"]), 1.0)
     assert code.startswith(HARNESS) and code.endswith("\n_toolrl_harness('x = 1', " + repr(
         {"kind": "assert", "per_test_timeout_s": 1.0, "tests": ["assert x == 1"], "setup": "",

@@ -2,16 +2,35 @@
 each test on a line that starts with the run's nonce (toolrl.tasks.code.judge explains why a
 program cannot fake a report, and reads the lines back).
 
-The source of `_toolrl_harness` alone is what goes to the executor (judge.build_harness appends the
-call), so it is self-contained: everything it uses is imported or defined inside it, nothing comes
-from toolrl, and what it captures first (os.write, os._exit, ...) the program cannot rebind.
+The source of `_toolrl_digest` and `_toolrl_harness` is what goes to the executor (judge.build_harness
+appends the call), so they are self-contained: everything they use is imported or defined inside
+them, nothing comes from toolrl, and what the harness captures first (os.write, os._exit, the digest,
+...) the program cannot rebind.
 """
+
+
+def _toolrl_digest(text):
+    """An output as reported: itself up to 200 characters, else the SHA-256 of its canonical form
+    (tokens, numbers to 6 decimals), so the executor's output cap cuts nothing and a long output meets
+    the tolerance the judge gives a short one token by token (found in review: a double space or
+    float noise failed past 200 characters only). Sent with the harness and used by the judge."""
+    import hashlib
+
+    if len(text) <= 200:
+        return text
+    out = []
+    for tok in text.split():
+        try:
+            f = float(tok)
+        except ValueError:
+            f = None
+        out.append(format(round(f, 6) + 0.0, ".6f") if f is not None and abs(f) < float("inf") else tok)
+    return {"sha256": hashlib.sha256(" ".join(out).encode()).hexdigest()}
 
 
 def _toolrl_harness(program, spec):
     import ast
     import builtins
-    import hashlib
     import io
     import json
     import linecache
@@ -20,6 +39,7 @@ def _toolrl_harness(program, spec):
     import sys
     import time
     write, exit_, read, settrace, setprofile = os.write, os._exit, os.read, sys.settrace, sys.setprofile
+    digest = _toolrl_digest  # sent beside this function
     sleep = time.sleep
     listdir, dup, dup2, lseek, memfd, close = os.listdir, os.dup, os.dup2, os.lseek, os.memfd_create, os.close
     nonce = read(0, 256).decode().strip()
@@ -102,19 +122,6 @@ def _toolrl_harness(program, spec):
 
     def on_alarm(signum, frame):
         raise Timeout()
-
-    def canon(text):  # token by token, numbers to 6 decimals: as the judge compares short outputs
-        out = []
-        for tok in text.split():
-            try:
-                f = float(tok)
-            except ValueError:
-                f = None
-            out.append(format(round(f, 6) + 0.0, ".6f") if f is not None and abs(f) < float("inf") else tok)
-        return " ".join(out)
-
-    def digest(text):  # long outputs travel as a hash of their canonical form: the output cap cuts nothing
-        return text if len(text) <= 200 else {"sha256": hashlib.sha256(canon(text).encode()).hexdigest()}
 
     def report(i, ok, payload=None):
         line = encode([i, ok, payload])

@@ -27,7 +27,6 @@ lists every attack that is checked).
 from __future__ import annotations
 
 import ast
-import hashlib
 import inspect
 import json
 import math
@@ -41,7 +40,7 @@ from toolrl.executor.api import ExecRequest, ExecResult
 from toolrl.executor.client import ExecutorError
 from toolrl.executor.forkserver.capture import MARKER
 from toolrl.format import extract_code
-from toolrl.tasks.code.harness import _toolrl_harness
+from toolrl.tasks.code.harness import _toolrl_digest, _toolrl_harness
 
 # ---------------------------------------------------------------------------------------------
 # The tests of one task
@@ -96,7 +95,8 @@ def syntax_ok(code: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The harness (toolrl.tasks.code.harness runs inside the executor)
 
-HARNESS = "\n" + inspect.getsource(_toolrl_harness)  # what the executor runs: the function alone
+# what the executor runs: the two functions alone
+HARNESS = "\n" + inspect.getsource(_toolrl_digest) + "\n\n" + inspect.getsource(_toolrl_harness)
 
 
 def build_harness(program: str, spec: TestSpec, per_test_timeout_s: float) -> str:
@@ -135,23 +135,7 @@ def _norm_stdout(text: str) -> str:
     return "\n".join(ln.rstrip() for ln in str(text).strip().splitlines())
 
 
-def _canon(text: str) -> str:
-    """A long output's canonical form (kept in step with `canon` in toolrl.tasks.code.harness):
-    tokens, numbers to 6 decimals, so a long output meets the tolerance a short one gets token by
-    token (found in review: a double space or float noise failed past 200 characters only)."""
-    out = []
-    for tok in text.split():
-        try:
-            f = float(tok)
-        except ValueError:
-            f = None
-        out.append(format(round(f, 6) + 0.0, ".6f") if f is not None and abs(f) < float("inf") else tok)
-    return " ".join(out)
-
-
-def _digest(text: str):
-    """The harness's encoding of an output (kept in step with `digest` in toolrl.tasks.code.harness)."""
-    return text if len(text) <= 200 else {"sha256": hashlib.sha256(_canon(text).encode()).hexdigest()}
+_digest = _toolrl_digest  # the harness's encoding of an output: the same function on both sides
 
 
 def _tokens_close(got: str, want: str) -> bool:
