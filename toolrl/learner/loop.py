@@ -26,11 +26,11 @@ from toolrl.metrics import batch_stats
 from toolrl.models import resolve_dtype, resolve_model
 from toolrl.protocol import sample_record
 from toolrl.refserver.client import RefServerClient, RefServerUnavailable
+from toolrl.refserver.registry import MAX_WORKERS
 from toolrl.weightsync.pusher import WeightSync
 from toolrl.worker.client import evaluate_on_worker
 
 log = logging.getLogger("learner")
-MAX_WORKER_STATES = 1024  # the reference server's registry bound (toolrl.refserver.registry)
 
 
 def whole_batch(batch: list, world: int) -> list:
@@ -150,7 +150,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
                     if w.get("state"):
                         worker_states.pop(w["id"], None)  # the newest last: the oldest go past the bound
                         worker_states[w["id"]] = w["state"]
-                while len(worker_states) > MAX_WORKER_STATES:  # what the reference server takes back
+                while len(worker_states) > MAX_WORKERS:  # what the reference server takes back
                     del worker_states[next(iter(worker_states))]
             except Exception as exc:  # a checkpoint without worker states still resumes the learner exactly
                 log.warning("could not read the workers' states for the checkpoint: %s", exc)

@@ -26,6 +26,7 @@ _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 MAX_CAPABILITIES_BYTES = 16 << 10
 MAX_STATE_BYTES = 16 << 10
 MAX_JSON_DEPTH = 32  # nesting of a kept object: deeper ones break encoders and pickling downstream
+MAX_WORKERS = 1024  # live workers, and resume states a resumed learner may hand back
 
 
 class RegistryError(ValueError):
@@ -97,7 +98,7 @@ def validate(worker_id: str, url: str, capabilities: dict[str, Any], policy_vers
 
 
 class WorkerRegistry:
-    def __init__(self, ttl_s: float, max_workers: int = 1024, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, ttl_s: float, max_workers: int = MAX_WORKERS, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, on_expire: Callable[[Worker], None] | None = None):
         self.ttl_s, self.max_workers = ttl_s, max_workers
         self.clock, self.wall, self.on_expire = clock, wall, on_expire
