@@ -6,7 +6,8 @@
   (dataset_dict.json, one such directory per split);
 - any other directory: a hub snapshot (`huggingface-cli download`, `snapshot_download`) or a
   `datasets` cache, searched recursively for .parquet / .arrow / .jsonl / .jsonl.gz files;
-- anything else: a hub id (`org/name` or `org/name:config`) loaded through `datasets` (network).
+- anything else: a hub id (`org/name` or `org/name:config`) loaded through `datasets` (network); a
+  hub dataset that ships a loading script (APPS) has its data files downloaded and read as above.
 
 `split` picks a split where the data has several: the subdirectory of a DatasetDict, the files of a
 directory whose path names it (`full/test-00000-of-00001.parquet`, `test.jsonl`, `default/test/0.parquet`,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -27,6 +29,10 @@ EXPECTED = ("expected a .jsonl, .jsonl.gz, .json, .parquet or .arrow file, a dir
 # Words that name a split in a file's path (as the hub's own data-file patterns use them)
 SPLIT_WORDS = {"train", "training", "test", "testing", "validation", "valid", "val", "dev", "eval", "prompt"}
 _DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".jsonl.gz")
+
+# How `datasets` refuses a hub dataset that ships a loading script (datasets/load.py, 4.0 and later)
+SCRIPT_REFUSED = "Dataset scripts are no longer supported"
+log = logging.getLogger(__name__)
 
 Located = tuple[str, dict]  # (where: "FILE row N", the row)
 
@@ -188,6 +194,23 @@ def looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or "\\" in path or path.lower().endswith(_DATA_SUFFIXES + (".json",))
 
 
+def _script_dataset_files(repo: str, split: str | None) -> list[Path]:
+    """The data files of a hub dataset that also ships a loading script, which `datasets` 4 and later
+    no longer runs (codeparrot/apps: apps.py beside train.jsonl and test.jsonl). Only the files whose
+    names can hold `split` are downloaded, then read like a local snapshot."""
+    from huggingface_hub import snapshot_download  # installed with datasets
+
+    patterns = [f"*{split}*{suffix}" if split else f"*{suffix}" for suffix in _DATA_SUFFIXES]
+    log.info("%s ships a loading script, which datasets no longer runs: downloading its %s data files as they are",
+             repo, split or "")
+    try:
+        folder = snapshot_download(repo, repo_type="dataset", allow_patterns=patterns)
+    except Exception as exc:  # offline, gated, a file missing from the cache
+        raise DataError(f"could not download the data files of hub dataset {repo!r} (it ships a loading script, "
+                        f"which datasets no longer runs): {type(exc).__name__}: {exc}") from None
+    return _snapshot(Path(folder), split)
+
+
 def read_located_rows(path: str, split: str | None = "train") -> list[Located]:
     """Every row of a data set, each with where it is ("FILE row N", for error messages), from a
     local file or directory in any of the module's formats, or a hub id."""
@@ -199,6 +222,7 @@ def read_located_rows(path: str, split: str | None = "train") -> list[Located]:
     if looks_local(path):
         raise DataError(f"{path}: not a readable data file (no such file or directory)")
     repo, _, config = path.partition(":")
+    failed = None
     try:
         import datasets  # lazy: slow to import, and only hub ids need it
 
@@ -206,8 +230,12 @@ def read_located_rows(path: str, split: str | None = "train") -> list[Located]:
     except ImportError:
         raise DataError(f"{path!r} is not a local path, and a hub id needs the `datasets` package") from None
     except Exception as exc:  # offline, unknown id, bad split: one clear line
+        failed = exc
+    if failed is not None and SCRIPT_REFUSED in str(failed) and not config:
+        return [row for f in _script_dataset_files(repo, split) for row in read_file(f)]
+    if failed is not None:
         raise DataError(f"could not load hub dataset {path!r} split {split!r} ({path!r} is not a local file or "
-                        f"directory either): {type(exc).__name__}: {exc}") from None
+                        f"directory either): {type(failed).__name__}: {failed}") from None
     parts = ds.items() if split is None else [(split, ds)]  # None: a DatasetDict, every split
     return [(f"{path} ({name}) row {i}", dict(r)) for name, d in parts for i, r in enumerate(d)]
 

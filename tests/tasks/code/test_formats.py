@@ -381,3 +381,41 @@ def test_reference_solutions_pass_their_tests_in_the_executor(data):
         ("mbpp:2", 1, 1), ("mbpp:139", 2, 2), ("mbpp:17", 1, 1),  # sanitized: test_imports
         ("apps:4000", 2, 2), ("apps:4001", 3, 3), ("apps:4003", 2, 2)]  # stdio, call, stdio (lines)
     assert [(r.passed, r.total) for r in wrong] == [(0, 2), (2, 3)]  # the judge does tell them apart
+
+
+# ---------------------------------------------------------------------------------------------
+# A hub dataset that ships a loading script (codeparrot/apps has apps.py beside train.jsonl and
+# test.jsonl): datasets 4 and later refuses it, so its data files are downloaded and read as they are.
+# The hub is out of reach here: the files come from a hub cache laid out as huggingface_hub keeps it,
+# and datasets' refusal is raised with its own message.
+
+def test_a_hub_dataset_with_a_loading_script_is_read_from_its_data_files(tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub.constants
+
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "datasets--someone--apps"
+    write_jsonl(repo / "snapshots" / commit / "train.jsonl", APPS[:2])
+    write_jsonl(repo / "snapshots" / commit / "test.jsonl", APPS[2:])
+    (repo / "snapshots" / commit / "apps.py").write_text("# loading script\n")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    refused = []
+
+    def refuse(path, name=None, split=None, **_):
+        refused.append(path)
+        raise RuntimeError("Dataset scripts are no longer supported, but found apps.py")
+
+    monkeypatch.setattr(datasets, "load_dataset", refuse)
+    jsonl = write_jsonl(tmp_path / "apps.jsonl", APPS)
+    assert as_values(load_apps("someone/apps")) == as_values(load_apps(str(jsonl)))[:2]
+    assert as_values(load_apps("someone/apps", "test")) == as_values(load_apps(str(jsonl)))[2:]
+    assert refused == ["someone/apps", "someone/apps"]
+    # not cached and offline: one line that says why the files were fetched
+    with pytest.raises(DataError, match=r"data files of hub dataset 'someone/other' \(it ships a loading script"):
+        load_apps("someone/other")
+    # a configuration names what the script would build: it cannot be honoured from the files
+    with pytest.raises(DataError, match=r"could not load hub dataset 'someone/apps:all'.*no longer supported"):
+        load_apps("someone/apps:all")
