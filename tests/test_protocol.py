@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from toolrl.protocol import (
-    CorruptPayload, PayloadTooLarge, Sample, SampleTooLong, SchemaMismatch, ToolCall, WireFormatError, decode_samples,
-    encode_samples, pack,
+    COMPLETION_TOKEN_BYTES, PROMPT_TOKEN_BYTES, CorruptPayload, PayloadTooLarge, Sample, SampleTooLong,
+    SchemaMismatch, ToolCall, WireFormatError, decode_samples, encode_samples, pack,
 )
 from toolrl.weightsync.buckets import bucketize, decode_weight_bucket, encode_weight_bucket
 
@@ -111,6 +111,18 @@ def test_lengths_and_counts_are_refused_from_the_tensors_before_any_list_is_buil
         decode_samples(payload, max_tokens=6)
     with pytest.raises(PayloadTooLarge, match="a group of 2 samples can never fit the limit of 1"):
         decode_samples(payload, max_samples=1)
+
+
+def test_a_group_too_large_once_decoded_is_refused_before_its_lists_are_built(monkeypatch):
+    """The receiver's memory bound counts decoded samples (~12x their wire size): a 64 MiB upload held
+    ~790 MiB before the queue's 512 MiB bound refused it, four decoding at once."""
+    payload = encode_samples(_example())
+    held = sum(PROMPT_TOKEN_BYTES * len(s.prompt_ids) + COMPLETION_TOKEN_BYTES * len(s.completion_ids)
+               for s in _example())
+    assert len(decode_samples(payload, max_held_bytes=held)[0]) == 2  # the bound itself is allowed
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("tolist before the bound"))
+    with pytest.raises(PayloadTooLarge, match=f"would hold ~{held} bytes once decoded, over the limit of {held - 1}"):
+        decode_samples(payload, max_held_bytes=held - 1)
 
 
 @settings(max_examples=300, deadline=None)

@@ -29,6 +29,12 @@ CONTENT_TYPE = "application/vnd.toolrl.safetensors"
 
 MAX_SAMPLES_BYTES = 64 << 20
 MAX_HEADER_BYTES = 16 << 20
+# Resident bytes of one token of a decoded Sample, held in Python lists: a prompt id ~40 B (int object
+# and pointer); a completion token ~120 B (its id, mask entry, logprob and reference logprob). The queue
+# counts held samples with these (refserver.queue.sample_nbytes); decode_samples refuses by them a
+# payload that could never be held, before building its lists (~12x the wire size).
+PROMPT_TOKEN_BYTES = 40
+COMPLETION_TOKEN_BYTES = 120
 
 
 class WireFormatError(ValueError):
@@ -359,10 +365,12 @@ def _split(flat: torch.Tensor, offsets: torch.Tensor, name: str) -> list[list]:
 
 
 def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES, max_tokens: int | None = None,
-                   max_samples: int | None = None) -> tuple[list[Sample], dict[str, Any]]:
+                   max_samples: int | None = None, max_held_bytes: int | None = None
+                   ) -> tuple[list[Sample], dict[str, Any]]:
     """Payload -> (samples, extra meta). Raises a WireFormatError subclass on any defect. With
-    `max_tokens` (a sample's prompt + completion) and `max_samples`, a payload over either is
-    refused from its tensors, before its tokens become Python lists (about 15x their wire size)."""
+    `max_tokens` (a sample's prompt + completion), `max_samples` and `max_held_bytes` (the tokens'
+    resident size once decoded), a payload over any is refused from its tensors, before its tokens
+    become Python lists (about 12x their wire size)."""
     meta, t = unpack(data, SCHEMA_SAMPLES, max_bytes)
     for name, dtype in _SAMPLE_TENSORS.items():
         if name not in t:
@@ -377,6 +385,11 @@ def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES, max_tokens: 
         raise CorruptPayload(f"offsets do not match the {n} samples in meta")
     if max_samples is not None and n > max_samples:
         raise PayloadTooLarge(f"a group of {n} samples can never fit the limit of {max_samples}")
+    held = PROMPT_TOKEN_BYTES * t["prompt_ids"].numel() + COMPLETION_TOKEN_BYTES * t["completion_ids"].numel()
+    if max_held_bytes is not None and held > max_held_bytes:
+        raise PayloadTooLarge(f"a group of {n} samples with {t['prompt_ids'].numel()} prompt and "
+                              f"{t['completion_ids'].numel()} completion tokens would hold ~{held} bytes once "
+                              f"decoded, over the limit of {max_held_bytes}; upload smaller groups")
     if max_tokens is not None:
         lengths = (_lengths(t["prompt_ids"], t["prompt_offsets"], "prompt_ids")
                    + _lengths(t["completion_ids"], t["completion_offsets"], "completion_ids"))

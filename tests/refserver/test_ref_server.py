@@ -311,6 +311,13 @@ def test_group_that_can_never_fit_gets_413_not_503():
         assert h.post("/upload", content=encode_samples([mk(1), mk(2)])).status_code == 200
         r = h.post("/upload", content=encode_samples([mk(3)]))
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    # ... and one that could never be held once decoded is refused from its tensors: ~90 KB on the
+    # wire, ~1.2 MB decoded, against a 1 MiB queue
+    with serve(create_app(config(max_queue_bytes=1 << 20))) as url, httpx.Client(base_url=url) as h:
+        r = h.post("/upload", content=encode_samples([mk(i, p=10, c=1000) for i in range(10)]))
+        assert r.status_code == 413 and "once decoded, over the limit of 1048576" in r.json()["detail"]
+        r = h.post("/upload", content=encode_samples([mk(i, p=10, c=1000) for i in range(8)]))
+        assert r.status_code == 200, r.text
 
 
 def test_batch_answers_204_after_the_wait_without_spinning():

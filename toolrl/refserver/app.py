@@ -234,7 +234,7 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     def decode_and_check(body: bytes) -> list[Sample]:
         try:
             samples, _extra = decode_samples(body, rs.max_upload_bytes, max_tokens=reference.max_len,
-                                             max_samples=rs.max_queue_samples)
+                                             max_samples=rs.max_queue_samples, max_held_bytes=rs.max_queue_bytes)
         except SampleTooLong as exc:  # as check_sample says it, before any list was built
             raise Refused(exc.index, "length", f"{exc.tokens} tokens, over the model's {exc.limit} positions") from None
         reference.validate(samples)
