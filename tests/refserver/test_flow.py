@@ -68,6 +68,11 @@ def test_grants_over_http_end_with_uploads_versions_and_workers_leaving():
                 assert await c.give_back(g2) and not await c.give_back(g2)
                 flow = (await c.stats())["flow"]
                 assert flow["in_flight"] == 4 and flow["limit"] == 8
+                metrics = (await asyncio.to_thread(httpx.get, f"{url}/metrics")).text  # the same numbers
+                for line in ("toolrl_ref_flow_in_flight 4.0", "toolrl_ref_flow_limit 8.0",
+                             "toolrl_ref_flow_granted_total 3.0", "toolrl_ref_flow_refused_total 2.0",
+                             "toolrl_ref_flow_released_total 2.0"):
+                    assert line in metrics.splitlines(), (line, metrics)
                 # a worker that stops heartbeating loses its grants with its registration
                 await asyncio.sleep(2.5)
                 await c.stats()  # any request sweeps the registry

@@ -445,3 +445,21 @@ def _silently(fn):
         fn()
     except httpx.HTTPError:
         pass
+
+
+def test_padding_counts_this_servers_own_batches_not_a_replicas_tokens(tiny):
+    """A replica's window settles through the same Reference: its tokens count in tokens_total, while
+    the padding figure is of the forward batches run here (mixed, it read as 1 - all / local)."""
+    from toolrl.refserver.queue import AsyncSampleQueue, SampleQueue
+
+    ref = reference_mod.Reference(config(token_budget=64, _extra=["grpo.beta=0.04"]), model=tiny)
+    local = [mk(1, p=3, c=4), mk(2, p=3, c=20)]  # one batch of 2 rows x 23 positions, 30 of them real
+    ref.compute_all(local)
+    assert ref.stats()["padding_fraction"] == round(1 - 30 / 46, 4)
+    queue = AsyncSampleQueue(SampleQueue(100, 1 << 30))
+    remote = [mk(3, p=10, c=200)]
+    queue.core.put(remote)
+    window = queue.core.take_pending(10**6)
+    ref.settle(queue, window, [[-1.0] * 200], compute_s=0.5)  # as a replica's answer is settled
+    stats = ref.stats()
+    assert stats["tokens_total"] == 210 and stats["padding_fraction"] == round(1 - 30 / 46, 4)

@@ -154,7 +154,9 @@ class Reference:
         self.max_len = int(getattr(text_cfg, "max_position_embeddings", 0) or cfg.model.max_model_len)
         self._compute = ComputeThread() if self.local else None
         # Stats
-        self.tokens_total = self.samples_total = self.batches_total = self.padded_total = 0
+        self.tokens_total = self.samples_total = self.batches_total = 0
+        # Padding is this process's: its forward batches' real and padded tokens (replicas' not counted)
+        self.local_tokens_total = self.padded_total = 0
         self.compute_s_total = 0.0
         self.failed_total = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=4096)  # (end time, tokens) for a wall rate
@@ -174,6 +176,7 @@ class Reference:
             lp = completion_logprobs(self.model, packed, temperature=self.temperature, chunk_rows=self.chunk_rows)
             lp = lp.cpu()
         self.padded_total += packed.padded_tokens
+        self.local_tokens_total += packed.num_tokens
         return [lp[i, :c].tolist() for i, c in enumerate(packed.completion_lens)]
 
     def compute_all(self, window: Sequence[Sample]) -> list[list[float] | None]:
@@ -247,5 +250,6 @@ class Reference:
                 "batches_total": self.batches_total, "compute_s_total": round(self.compute_s_total, 4),
                 "tokens_per_s": round(self.tokens_total / self.compute_s_total, 2) if self.compute_s_total else 0.0,
                 "tokens_per_s_last_60s": round(recent / 60.0, 2),
-                "padding_fraction": round(1 - self.tokens_total / self.padded_total, 4) if self.padded_total else 0.0,
+                "padding_fraction": (round(1 - self.local_tokens_total / self.padded_total, 4)
+                                     if self.padded_total else 0.0),
                 "failed_total": self.failed_total, "loop_alive": self.alive}
