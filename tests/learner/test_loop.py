@@ -2,6 +2,7 @@
 what the loop itself decides about a batch, apart from the trainer's step."""
 import asyncio
 import json
+import logging
 import os
 import random
 
@@ -318,3 +319,59 @@ def test_sigterm_while_waiting_for_a_batch_saves_the_step_reached_and_exits(tmp_
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step000001"
     assert not (tmp_path / "export").exists()  # a stop is not the run's end: no export, no final evaluation
     assert took < 15, took
+
+
+def test_a_reference_server_that_restarts_between_steps_costs_a_wait_not_the_run(tmp_path, caplog):
+    """The server goes away after step 1 and a new one comes up at the same address 8 s later: the
+    learner's draws are empty meanwhile (each a warning, within the batch deadline: the catch-up round
+    and the draw each raised RefServerUnavailable, and the learner died), then step 2 trains on what the
+    new server holds and is pushed through it."""
+    import threading
+    import time
+
+    from toolrl.learner.loop import run
+    from procs import free_port
+    from toolrl.refserver.client import RefServerClient
+
+    cfg = load_config("configs/cpu_tiny.yaml", [
+        "logging.wandb_mode=disabled", "learner.dtype=float32", "grpo.beta=0", "learner.steps=2",
+        "learner.batch_samples=4", "learner.batch_tokens=100000", "learner.checkpoint_every=0",
+        "learner.batch_timeout_s=90", "eval.before_after=false", "ref_server.flow_control=false",
+        "ref_server.batch_wait_s=1", "ref_server.max_staleness=4"])
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    metrics = tmp_path / "logs" / "metrics.jsonl"
+    first = serve(create_app(cfg), port=port)
+    first.__enter__()
+    seen = {}
+
+    def restart_after_step_1():
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            time.sleep(0.1)
+        first.__exit__(None, None, None)
+        time.sleep(8)
+        with serve(create_app(cfg), port=port):
+            asyncio.run(upload(url, [group("b", [0.0, 1.0, 1.0, 0.0])]))
+            while len(metrics.read_text().splitlines()) < 2:
+                time.sleep(0.1)
+            with RefServerClient(url) as c:
+                seen["version"] = c.stats()["queue"]["learner_version"]
+            seen["done"] = True
+            while not seen.get("finished"):
+                time.sleep(0.1)
+
+    asyncio.run(upload(url, [group("a", [1.0, 0.0, 0.0, 1.0])]))
+    helper = threading.Thread(target=restart_after_step_1, daemon=True)
+    helper.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="learner"):
+            run(cfg.model_copy(update={"ref_server": cfg.ref_server.model_copy(update={"url": url})}),
+                tmp_path, resume=False)
+    finally:
+        seen["finished"] = True
+        helper.join(30)
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["samples"] == 4 for r in rows)
+    assert rows[1]["time_wait_s"] > 5  # step 2 waited for the new server
+    assert seen == {"version": 2, "done": True, "finished": True}  # the new server got step 2's push
+    assert any("no batch this round" in r.message for r in caplog.records)

@@ -304,10 +304,10 @@ class RefServerClient:
     def set_version(self, version: int, restart: bool = False) -> dict[str, Any]:
         """Announce the learner's policy version (the server drops what it makes stale, and refuses
         samples claiming a newer one). `restart`: a learner starting or resuming, which took none of
-        what the server delivered so far."""
-        answer = self._request("POST", "/version", json={"version": version, "restart": restart}).json()
+        what the server delivered so far. The version is kept first: when the server cannot be
+        reached, the next batch request carries it."""
         self.version = version
-        return answer
+        return self._request("POST", "/version", json={"version": version, "restart": restart}).json()
 
     def finish(self, version: int) -> dict[str, Any]:
         """Say training is over at `version`: no group starts from now on, and workers stop the rollouts
