@@ -41,6 +41,8 @@ def http(ex):
 def test_token_required(ex):
     assert httpx.post(f"{ex.url}/execute", json={"code": "print(1)"}).status_code == 401
     assert httpx.get(f"{ex.url}/health").status_code == 401
+    for path in ("/docs", "/redoc", "/openapi.json"):  # FastAPI's own pages skip route dependencies
+        assert httpx.get(f"{ex.url}{path}").status_code in (401, 404), path
     wrong = {"Authorization": "Bearer nope"}
     assert httpx.post(f"{ex.url}/execute", json={"code": "print(1)"}, headers=wrong).status_code == 401
     with ExecutorClient(ex.url, token=TOKEN) as c:

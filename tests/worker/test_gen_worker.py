@@ -519,3 +519,20 @@ def test_an_engine_request_that_never_finishes_is_aborted_at_its_timeout(caplog)
     out = asyncio.run(eng.generate([1, 2, 3], 16, "r.0"))
     assert (out.finish_reason, out.token_ids) == ("abort", []) and time.time() - t0 < 5
     assert closed == ["r.0"] and not eng.active and "rollout.request_timeout_s" in caplog.text
+
+
+def test_the_workers_api_answers_nothing_without_its_token():
+    """FastAPI's /docs, /redoc and /openapi.json are answered outside the routes' dependencies, so they
+    described the whole API to anyone (found in review of the reference server, which had them too)."""
+    from types import SimpleNamespace
+
+    from procs import serve
+    from toolrl.worker.app import build_app
+
+    cfg = load_config("configs/cpu_tiny.yaml", ["rollout.token=s3cret"])
+    with serve(build_app(SimpleNamespace(cfg=cfg))) as url, httpx.Client(base_url=url) as h:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert h.get(path).status_code in (401, 404), path
+        for method, path in [("GET", "/stats"), ("POST", "/probe"), ("POST", "/evaluate"),
+                             ("POST", "/update_weights")]:
+            assert h.request(method, path).status_code == 401, path
