@@ -238,3 +238,26 @@ def test_a_busy_model_list_is_retried_and_concurrency_counts_requests(capsys, tm
                                "--retries", "3")
     assert status == 1 and json.loads(out)["answered"] == 8, err
     assert seen["peak"] == 2
+
+
+def test_an_executor_that_could_test_nothing_is_blamed_not_the_answers(capsys, tmp_path, monkeypatch):
+    """Every task's tests failed to run: the last line names the executor, not the answers, and no
+    traces are written."""
+    import toolrl.tasks.code.traces as traces
+    from toolrl.executor.client import ExecutorError
+
+    async def down(*args, **kw):
+        raise ExecutorError("the executor went away")
+
+    monkeypatch.setattr(traces, "arun_tests", down)
+    rejected = tmp_path / "rejected.jsonl"
+    with stub() as url:
+        status, err, out = run(capsys, tmp_path, f"{url}/v1", "--n", "2", "--samples", "1",
+                               "--rejected", str(rejected))
+    stats = json.loads(out)
+    assert (stats["answered"], stats["unscored_tasks"], stats["kept"]) == (2, 2, 0)
+    assert status == 1 and err.splitlines()[-1] == (
+        "teacher_traces: the executor could not test the answers of 2 of 2 tasks (see above) and none of the "
+        f"others passed; nothing written to {tmp_path / 'traces.jsonl'}")
+    assert "could not test the answers for mbpp:" in err and "the executor went away" in err
+    assert not (tmp_path / "traces.jsonl").exists()
