@@ -181,6 +181,8 @@ STARTED_AT=$(date +%s)
 stop_all() {
   trap - EXIT
   trap 'FORCE=1' INT TERM  # a second Ctrl-C: no more waiting, but nothing is left running either
+  # (a Ctrl-C also kills the `sleep` below, and under `set -e` its failure ended the script here, with
+  # every service left running: hence `|| true`)
   FORCE=
   # The learner first, while the reference server still answers: on SIGTERM it saves a checkpoint
   # (after the step it is in) and exits; its launcher kills it after 30 s (toolrl/learner/preemption.py).
@@ -188,7 +190,7 @@ stop_all() {
   if [ -n "${PIDS[learner]:-}" ] && kill -TERM -- "-${PIDS[learner]}" 2>/dev/null; then
     for _ in $(seq 1 140); do
       { [ -z "$FORCE" ] && kill -0 -- "-${PIDS[learner]}" 2>/dev/null; } || break
-      sleep 0.25
+      sleep 0.25 || true
     done
   fi
   for name in "${!PIDS[@]}"; do kill -TERM -- "-${PIDS[$name]}" 2>/dev/null || true; done
@@ -196,7 +198,7 @@ stop_all() {
     alive=0
     for name in "${!PIDS[@]}"; do kill -0 "${PIDS[$name]}" 2>/dev/null && alive=1; done
     [ $alive = 0 ] || [ -n "$FORCE" ] && break
-    sleep 0.25
+    sleep 0.25 || true
   done
   for name in "${!PIDS[@]}"; do kill -KILL -- "-${PIDS[$name]}" 2>/dev/null || true; done
 }

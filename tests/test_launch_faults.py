@@ -139,6 +139,24 @@ def test_faults_through_launch_sh(tmp_path):
             os.kill(pid, signal.SIGKILL)
         out = stopped_cleanly(launch, ports)
         assert launch.returncode == 1 and "ref_server died; stopping" in out, out[-2000:]
+
+        # 6. Ctrl-C twice: the first waits for the learner's checkpoint (here it never comes: the
+        # learner is frozen), the second stops everything at once, the learner included
+        launch = start(run_dir, ports, "--resume", "--workers", "0")
+        wait_for("the learner waits for workers", lambda: "waiting for workers to join" in launch.out.read_text(),
+                 900, launch)
+        frozen = pids_of("learner.py", ports["ref"])
+        assert frozen
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        os.killpg(launch.pid, signal.SIGTERM)
+        time.sleep(4)
+        assert launch.poll() is None, launch.out.read_text()[-2000:]  # still waiting for the learner
+        t0 = time.time()
+        os.killpg(launch.pid, signal.SIGTERM)
+        out = stopped_cleanly(launch, ports, timeout_s=30)
+        assert time.time() - t0 < 15 and launch.returncode == 130, out[-2000:]
+        assert "Ctrl-C again: at once" in out and not pids_of("learner.py", ports["ref"])
     finally:
         if launch.poll() is None:
             os.killpg(launch.pid, signal.SIGTERM)  # not SIGINT: ignored in a suite run in the background
