@@ -95,8 +95,9 @@ fi
 mapfile -t V < <("$PY" config.py --config "$CONFIG" "${SETS[@]}" --get executor.port --get ref_server.port \
   --get rollout.port --get launch.workers --get launch.ref_gpu --get launch.worker_gpus \
   --get launch.learner_gpus --get model.name --get executor.token --get ref_server.token \
-  --get rollout.token || echo FAILED)
-[ ${#V[@]} = 11 ] || exit 2
+  --get rollout.token --get launch.stop_timeout_s || echo FAILED)
+[ ${#V[@]} = 12 ] || exit 2
+STOP_S=${V[11]%.*}
 EX_PORT=${V[0]}; REF_PORT=${V[1]}; W_PORT=${V[2]}; WORKERS=${V[3]}
 REF_GPU=${V[4]}; WORKER_GPUS=${V[5]}; LEARNER_GPUS=${V[6]}; MODEL=${V[7]}
 # Every service takes a bearer token: each one the config (or the environment) leaves unset gets a
@@ -178,6 +179,19 @@ LEARNER_CMD+=(learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME)
 declare -A PIDS=()
 declare -A REPORTED=()
 STARTED_AT=$(date +%s)
+learner_ranks() {  # the processes of the learner's group that run learner.py itself, not its launcher
+  local stat pid rest args first
+  for stat in /proc/[0-9]*/stat; do
+    { read -r rest < "$stat"; } 2>/dev/null || continue
+    pid=${stat#/proc/}; pid=${pid%/stat}
+    rest=${rest##*) }; read -r -a rest <<< "$rest"  # after the command name: state, ppid, pgrp, ...
+    [ "${rest[2]:-}" = "${PIDS[learner]}" ] || continue
+    { mapfile -d '' -t args < "/proc/$pid/cmdline"; } 2>/dev/null || continue
+    first=${args[1]:-}
+    if [ "$first" = -u ]; then first=${args[2]:-}; fi
+    if [[ $first == *learner.py ]]; then echo "$pid"; fi
+  done
+}
 stop_all() {
   trap - EXIT
   trap 'FORCE=1' INT TERM  # a second Ctrl-C: no more waiting, but nothing is left running either
@@ -185,11 +199,22 @@ stop_all() {
   # every service left running: hence `|| true`)
   FORCE=
   # The learner first, while the reference server still answers: on SIGTERM it saves a checkpoint
-  # (after the step it is in) and exits; its launcher kills it after 30 s (toolrl/learner/preemption.py).
-  # Its whole process group is waited for: the deepspeed command at its head dies of SIGTERM at once.
-  if [ -n "${PIDS[learner]:-}" ] && kill -TERM -- "-${PIDS[learner]}" 2>/dev/null; then
-    for _ in $(seq 1 140); do
-      { [ -z "$FORCE" ] && kill -0 -- "-${PIDS[learner]}" 2>/dev/null; } || break
+  # (after the step it is in) and exits (toolrl/learner/preemption.py). Its ranks alone get it: a
+  # launcher that does (deepspeed's, torchrun's) SIGKILLs them 30 s later, and a CPU step can take
+  # longer; once they exit, so does their launcher. Its whole process group is waited for.
+  local ranks t0=$SECONDS said=0
+  if [ -n "${PIDS[learner]:-}" ] && kill -0 -- "-${PIDS[learner]}" 2>/dev/null; then
+    ranks=$(learner_ranks)
+    if [ -n "$ranks" ]; then
+      kill -TERM $ranks 2>/dev/null || true
+    else
+      kill -TERM -- "-${PIDS[learner]}" 2>/dev/null || true
+    fi
+    while [ -z "$FORCE" ] && kill -0 -- "-${PIDS[learner]}" 2>/dev/null && [ $((SECONDS - t0)) -lt "$STOP_S" ]; do
+      if [ $((SECONDS - t0)) -ge $((said + 30)) ]; then
+        said=$((SECONDS - t0))
+        echo "launch.sh: the learner is finishing its step to save it (${said} s of launch.stop_timeout_s $STOP_S s; Ctrl-C again: at once)"
+      fi
       sleep 0.25 || true
     done
   fi

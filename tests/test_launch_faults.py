@@ -180,10 +180,23 @@ def test_a_reference_server_left_on_the_port_is_named_not_taken_for_ours(tmp_pat
     assert f"the server on port {ports['ref']} refuses this run's token" in out, out[-3000:]
 
 
+def learner_ranks(ref_port: int) -> list[int]:
+    """The learner's ranks (`python [-u] learner.py ...`), not the launcher above them."""
+    ranks = []
+    for pid in pids_of("learner.py", ref_port):
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        first = cmd[2] if len(cmd) > 2 and cmd[1] == b"-u" else cmd[1] if len(cmd) > 1 else b""
+        if first.endswith(b"learner.py"):
+            ranks.append(pid)
+    return ranks
+
+
 def test_ctrl_c_saves_the_steps_trained_since_the_last_checkpoint(tmp_path):
     """Ctrl-C on launch.sh (a preemption's SIGTERM alike) killed the learner with everything else:
     every step since its last `checkpoint_every` save was lost. Now the learner is stopped first and
-    saves a checkpoint of the step it reached, which --resume continues from."""
+    saves a checkpoint of the step it reached, which --resume continues from. Its ranks alone get the
+    signal: the deepspeed launcher SIGKILLs them 30 s after it gets one, and a CPU step of the demo can
+    take longer. Here the rank is frozen for 40 s, as a long step would hold it."""
     import re
 
     ports = {"ex": free_port(), "ref": free_port(), "w": free_port()}
@@ -191,9 +204,18 @@ def test_ctrl_c_saves_the_steps_trained_since_the_last_checkpoint(tmp_path):
     launch = start(run_dir, ports, "--set", "learner.checkpoint_every=1000")  # none but the stop's
     try:
         wait_for("three steps", lambda: steps_done(run_dir) >= 3, 900, launch)
+        ranks = learner_ranks(ports["ref"])
+        assert len(ranks) == 1, ranks
+        os.kill(ranks[0], signal.SIGSTOP)
         # Ctrl-C's path (launch.sh traps INT and TERM alike). SIGTERM, as a job scheduler sends: a suite
         # run in the background (nohup, CI) starts launch.sh with SIGINT ignored, which no trap can undo
         os.killpg(launch.pid, signal.SIGTERM)
+        time.sleep(40)
+        try:
+            os.kill(ranks[0], signal.SIGCONT)
+        except ProcessLookupError:
+            raise AssertionError("the learner's rank was killed before it could save: its launcher's "
+                                 "30 s grace ran out") from None
         out = stopped_cleanly(launch, ports)
     finally:
         if launch.poll() is None:

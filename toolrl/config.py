@@ -498,6 +498,11 @@ class LaunchConfig(Section):
     # Allow two processes on one GPU (or more workers than worker GPUs). Off, because vLLM takes
     # rollout.gpu_memory_utilization of each GPU it is given and the learner needs the rest.
     share_gpus: bool = False
+    # How long Ctrl-C (or SIGTERM) on launch.sh waits for the learner to finish its step and save a
+    # checkpoint before stopping it (a second Ctrl-C: at once). The learner's ranks get the signal
+    # alone: the deepspeed and torchrun launchers SIGKILL them 30 s after they get it themselves,
+    # which a CPU step of the demo (25-76 s) can outlast.
+    stop_timeout_s: float = Field(180.0, ge=0)
 
     @field_validator("worker_gpus", "learner_gpus", mode="before")
     @classmethod
