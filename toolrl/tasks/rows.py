@@ -194,6 +194,17 @@ def looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or "\\" in path or path.lower().endswith(_DATA_SUFFIXES + (".json",))
 
 
+def _cached_script(repo: str) -> bool:
+    """Whether the hub cache holds `repo` with its loading script (NAME.py, as datasets looks for it)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(repo, repo_type="dataset", local_files_only=True))
+    except Exception:  # not cached, or no huggingface_hub
+        return False
+    return (folder / f"{repo.rpartition('/')[2]}.py").is_file()
+
+
 def _script_dataset_files(repo: str, split: str | None) -> list[Path]:
     """The data files of a hub dataset that also ships a loading script, which `datasets` 4 and later
     no longer runs (codeparrot/apps: apps.py beside train.jsonl and test.jsonl). Only the files whose
@@ -231,7 +242,8 @@ def read_located_rows(path: str, split: str | None = "train") -> list[Located]:
         raise DataError(f"{path!r} is not a local path, and a hub id needs the `datasets` package") from None
     except Exception as exc:  # offline, unknown id, bad split: one clear line
         failed = exc
-    if failed is not None and SCRIPT_REFUSED in str(failed) and not config:
+    # Refused for its script, or offline (datasets fails before it looks) with a script in the cache
+    if failed is not None and not config and (SCRIPT_REFUSED in str(failed) or _cached_script(repo)):
         return [row for f in _script_dataset_files(repo, split) for row in read_file(f)]
     if failed is not None:
         raise DataError(f"could not load hub dataset {path!r} split {split!r} ({path!r} is not a local file or "

@@ -385,12 +385,16 @@ def test_reference_solutions_pass_their_tests_in_the_executor(data):
 
 # ---------------------------------------------------------------------------------------------
 # A hub dataset that ships a loading script (codeparrot/apps has apps.py beside train.jsonl and
-# test.jsonl): datasets 4 and later refuses it, so its data files are downloaded and read as they are.
-# The hub is out of reach here: the files come from a hub cache laid out as huggingface_hub keeps it,
-# and datasets' refusal is raised with its own message.
+# test.jsonl): datasets 4 and later refuses it, so its split's data files are downloaded and read as
+# they are. The hub is out of reach here: the files come from a hub cache laid out as huggingface_hub
+# keeps it, offline, where the real datasets.load_dataset fails before it sees the script.
 
-def test_a_hub_dataset_with_a_loading_script_is_read_from_its_data_files(tmp_path, monkeypatch):
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """someone/apps in an offline hub cache: train.jsonl, test.jsonl and apps.py. -> the allow_patterns
+    of every snapshot_download call (the real one, spied on)."""
     import datasets
+    import huggingface_hub
     import huggingface_hub.constants
 
     commit = "0" * 40
@@ -402,20 +406,43 @@ def test_a_hub_dataset_with_a_loading_script_is_read_from_its_data_files(tmp_pat
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    refused = []
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    patterns, real = [], huggingface_hub.snapshot_download
 
-    def refuse(path, name=None, split=None, **_):
-        refused.append(path)
-        raise RuntimeError("Dataset scripts are no longer supported, but found apps.py")
+    def spy(*args, **kw):
+        patterns.append(kw.get("allow_patterns"))
+        return real(*args, **kw)
 
-    monkeypatch.setattr(datasets, "load_dataset", refuse)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", spy)
+    return patterns
+
+
+def test_a_hub_dataset_with_a_loading_script_is_read_from_its_data_files(tmp_path, hub_cache):
     jsonl = write_jsonl(tmp_path / "apps.jsonl", APPS)
     assert as_values(load_apps("someone/apps")) == as_values(load_apps(str(jsonl)))[:2]
     assert as_values(load_apps("someone/apps", "test")) == as_values(load_apps(str(jsonl)))[2:]
-    assert refused == ["someone/apps", "someone/apps"]
-    # not cached and offline: one line that says why the files were fetched
-    with pytest.raises(DataError, match=r"data files of hub dataset 'someone/other' \(it ships a loading script"):
+    # the split's files only (the test split of APPS is 1.3 GB), after a look for the script in the cache
+    downloads = [p for p in hub_cache if p is not None]
+    assert downloads == [[f"*{split}*{sfx}" for sfx in (".parquet", ".arrow", ".jsonl", ".jsonl.gz")]
+                         for split in ("train", "test")]
+    # not cached, and offline: datasets' own error, which names the dataset
+    with pytest.raises(DataError, match=r"could not load hub dataset 'someone/other'.*ConnectionError"):
         load_apps("someone/other")
     # a configuration names what the script would build: it cannot be honoured from the files
-    with pytest.raises(DataError, match=r"could not load hub dataset 'someone/apps:all'.*no longer supported"):
+    with pytest.raises(DataError, match=r"could not load hub dataset 'someone/apps:all'"):
         load_apps("someone/apps:all")
+
+
+def test_online_the_refusal_itself_leads_to_the_files(tmp_path, hub_cache, monkeypatch):
+    """Online, datasets reaches the hub, finds the script and refuses with this message (datasets/load.py):
+    stood in for here, the one piece that needs the network."""
+    import datasets
+
+    def refuse(path, name=None, split=None, **_):
+        raise RuntimeError("Dataset scripts are no longer supported, but found apps.py")
+
+    monkeypatch.setattr(datasets, "load_dataset", refuse)
+    (tmp_path / "hub" / "datasets--someone--apps" / "snapshots" / ("0" * 40) / "apps.py").unlink()
+    jsonl = write_jsonl(tmp_path / "apps.jsonl", APPS)
+    assert as_values(load_apps("someone/apps")) == as_values(load_apps(str(jsonl)))[:2]
