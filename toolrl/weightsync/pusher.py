@@ -212,7 +212,7 @@ class WeightSync:
 
     def behind(self, version: int) -> list[dict]:
         """Live workers that are behind `version` (late joiners, earlier failures); workers that left
-        are forgotten. None ([]) while the reference server cannot be reached: the next round asks again."""
+        are forgotten. Empty while the reference server cannot be reached: the next round asks again."""
         try:
             live = self.trusted(self.ref.workers())
         except RefServerUnavailable as exc:
