@@ -97,7 +97,7 @@ mapfile -t V < <("$PY" config.py --config "$CONFIG" "${SETS[@]}" --get executor.
   --get launch.learner_gpus --get model.name --get executor.token --get ref_server.token \
   --get rollout.token --get launch.stop_timeout_s || echo FAILED)
 [ ${#V[@]} = 12 ] || exit 2
-STOP_S=${V[11]%.*}
+STOP_S=$(printf '%.0f' "${V[11]}")  # config.py may print a float as 1e+16
 EX_PORT=${V[0]}; REF_PORT=${V[1]}; W_PORT=${V[2]}; WORKERS=${V[3]}
 REF_GPU=${V[4]}; WORKER_GPUS=${V[5]}; LEARNER_GPUS=${V[6]}; MODEL=${V[7]}
 # Every service takes a bearer token: each one the config (or the environment) leaves unset gets a
@@ -177,20 +177,44 @@ fi
 LEARNER_CMD+=(learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME)
 
 declare -A PIDS=()
+LEARNER=learner  # its key in PIDS: learner_node$NODE_RANK on the other learner nodes
+[ "$NODE_RANK" = 0 ] || LEARNER=learner_node$NODE_RANK
+RANKS=""
 declare -A REPORTED=()
 STARTED_AT=$(date +%s)
-learner_ranks() {  # the processes of the learner's group that run learner.py itself, not its launcher
-  local stat pid rest args first
+is_rank() {  # is_rank PID: it runs learner.py itself (python [-u] learner.py ...), not a launcher
+  local args first
+  { mapfile -d '' -t args < "/proc/$1/cmdline"; } 2>/dev/null || return 1
+  first=${args[1]:-}
+  if [ "$first" = -u ]; then first=${args[2]:-}; fi
+  [[ $first == *learner.py ]]
+}
+learner_ranks() {  # the learner's ranks: below its launcher (torchrun gives each a session of its own)
+  local stat pid pp rest grew=1
+  local -A parent=() below=(["${PIDS[$LEARNER]}"]=1)
   for stat in /proc/[0-9]*/stat; do
     { read -r rest < "$stat"; } 2>/dev/null || continue
     pid=${stat#/proc/}; pid=${pid%/stat}
-    rest=${rest##*) }; read -r -a rest <<< "$rest"  # after the command name: state, ppid, pgrp, ...
-    [ "${rest[2]:-}" = "${PIDS[learner]}" ] || continue
-    { mapfile -d '' -t args < "/proc/$pid/cmdline"; } 2>/dev/null || continue
-    first=${args[1]:-}
-    if [ "$first" = -u ]; then first=${args[2]:-}; fi
-    if [[ $first == *learner.py ]]; then echo "$pid"; fi
+    rest=${rest##*) }; read -r -a rest <<< "$rest"  # after the command name: state, ppid, ...
+    parent[$pid]=${rest[1]:-0}
   done
+  while [ $grew = 1 ]; do
+    grew=0
+    for pid in "${!parent[@]}"; do
+      pp=${parent[$pid]}
+      if [ -z "${below[$pid]:-}" ] && [ -n "${below[$pp]:-}" ]; then below[$pid]=1; grew=1; fi
+    done
+  done
+  for pid in "${!below[@]}"; do
+    if is_rank "$pid"; then echo "$pid"; fi
+  done
+  return 0
+}
+learner_alive() {  # its process group, or a rank of it in a session of its own
+  local pid
+  kill -0 -- "-${PIDS[$LEARNER]}" 2>/dev/null && return 0
+  for pid in $RANKS; do kill -0 "$pid" 2>/dev/null && return 0; done
+  return 1
 }
 stop_all() {
   trap - EXIT
@@ -202,15 +226,16 @@ stop_all() {
   # (after the step it is in) and exits (toolrl/learner/preemption.py). Its ranks alone get it: a
   # launcher that does (deepspeed's, torchrun's) SIGKILLs them 30 s later, and a CPU step can take
   # longer; once they exit, so does their launcher. Its whole process group is waited for.
-  local ranks t0=$SECONDS said=0
-  if [ -n "${PIDS[learner]:-}" ] && kill -0 -- "-${PIDS[learner]}" 2>/dev/null; then
-    ranks=$(learner_ranks)
-    if [ -n "$ranks" ]; then
-      kill -TERM $ranks 2>/dev/null || true
+  local t0=$SECONDS said=0 pid
+  RANKS=""
+  if [ -n "${PIDS[$LEARNER]:-}" ] && kill -0 -- "-${PIDS[$LEARNER]}" 2>/dev/null; then
+    RANKS=$(learner_ranks) || true  # a second Ctrl-C kills this subshell: never the end of the script
+    if [ -n "$RANKS" ]; then
+      kill -TERM $RANKS 2>/dev/null || true
     else
-      kill -TERM -- "-${PIDS[learner]}" 2>/dev/null || true
+      kill -TERM -- "-${PIDS[$LEARNER]}" 2>/dev/null || true
     fi
-    while [ -z "$FORCE" ] && kill -0 -- "-${PIDS[learner]}" 2>/dev/null && [ $((SECONDS - t0)) -lt "$STOP_S" ]; do
+    while [ -z "$FORCE" ] && learner_alive && [ $((SECONDS - t0)) -lt "$STOP_S" ]; do
       if [ $((SECONDS - t0)) -ge $((said + 30)) ]; then
         said=$((SECONDS - t0))
         echo "launch.sh: the learner is finishing its step to save it (${said} s of launch.stop_timeout_s $STOP_S s; Ctrl-C again: at once)"
@@ -226,6 +251,9 @@ stop_all() {
     sleep 0.25 || true
   done
   for name in "${!PIDS[@]}"; do kill -KILL -- "-${PIDS[$name]}" 2>/dev/null || true; done
+  for pid in $RANKS; do  # ranks in sessions of their own, if still there (and still ranks)
+    if is_rank "$pid"; then kill -KILL -- "-$pid" "$pid" 2>/dev/null || true; fi
+  done
 }
 trap 'echo "launch.sh: stopping everything (the learner saves a checkpoint first; Ctrl-C again: at once)"; stop_all
       { grep -h "^stopped by" "$RUN_DIR/logs/learner.log" 2>/dev/null || true; } | tail -1; exit 130' INT TERM
@@ -310,7 +338,7 @@ else
     || { echo "launch.sh: model preparation failed:" >&2; tail -n 20 "$MODEL_LOG" >&2; exit 1; }
 fi
 if [ "$NODE_RANK" -gt 0 ]; then  # learner node R: its learner ranks only; node 0 runs the rest and reports
-  NAME=learner_node$NODE_RANK
+  NAME=$LEARNER
   wait_head "http://$HEAD:$REF_PORT"
   start "$NAME" "$LEARNER_AT" "${LEARNER_CMD[@]}"
   [ -n "$DRY_RUN" ] && exit 0

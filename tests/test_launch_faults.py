@@ -222,6 +222,7 @@ def test_ctrl_c_saves_the_steps_trained_since_the_last_checkpoint(tmp_path):
             os.killpg(launch.pid, signal.SIGTERM)
             launch.wait(60)
     assert launch.returncode == 130 and "the learner saves a checkpoint first" in out, out[-2000:]
+    assert "the learner is finishing its step to save it (30 s of launch.stop_timeout_s 180 s" in out, out[-2000:]
     log = (run_dir / "logs" / "learner.log").read_text()
     m = re.search(r"stopped by SIGTERM after step (\d+); continue with --resume", log)
     assert m and int(m[1]) >= 3, log[-3000:]
