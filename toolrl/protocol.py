@@ -364,6 +364,21 @@ def _split(flat: torch.Tensor, offsets: torch.Tensor, name: str) -> list[list]:
     return [values[a:b] for a, b in zip(off, off[1:])]
 
 
+def held_bytes(prompt_tokens: int, completion_tokens: int) -> int:
+    """The resident bytes a group's tokens take once decoded into Samples."""
+    return PROMPT_TOKEN_BYTES * prompt_tokens + COMPLETION_TOKEN_BYTES * completion_tokens
+
+
+def samples_held_bytes(data: bytes) -> int:
+    """`held_bytes` of a samples payload, from its header alone (no tensor is read); 0 when the header
+    cannot be read (decode_samples then says what is wrong)."""
+    try:
+        _, header, _ = read_header(data, len(data), SCHEMA_SAMPLES)
+        return held_bytes(*(math.prod(int(d) for d in header[k]["shape"]) for k in ("prompt_ids", "completion_ids")))
+    except (WireFormatError, KeyError, TypeError, ValueError, struct.error):
+        return 0
+
+
 def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES, max_tokens: int | None = None,
                    max_samples: int | None = None, max_held_bytes: int | None = None
                    ) -> tuple[list[Sample], dict[str, Any]]:
@@ -385,7 +400,7 @@ def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES, max_tokens: 
         raise CorruptPayload(f"offsets do not match the {n} samples in meta")
     if max_samples is not None and n > max_samples:
         raise PayloadTooLarge(f"a group of {n} samples can never fit the limit of {max_samples}")
-    held = PROMPT_TOKEN_BYTES * t["prompt_ids"].numel() + COMPLETION_TOKEN_BYTES * t["completion_ids"].numel()
+    held = held_bytes(t["prompt_ids"].numel(), t["completion_ids"].numel())
     if max_held_bytes is not None and held > max_held_bytes:
         raise PayloadTooLarge(f"a group of {n} samples with {t['prompt_ids'].numel()} prompt and "
                               f"{t['completion_ids'].numel()} completion tokens would hold ~{held} bytes once "

@@ -463,3 +463,38 @@ def test_padding_counts_this_servers_own_batches_not_a_replicas_tokens(tiny):
     ref.settle(queue, window, [[-1.0] * 200], compute_s=0.5)  # as a replica's answer is settled
     stats = ref.stats()
     assert stats["tokens_total"] == 210 and stats["padding_fraction"] == round(1 - 30 / 46, 4)
+
+
+def test_uploads_decoding_at_once_hold_at_most_the_queue_bound(monkeypatch):
+    """Each decode slot could hold a group up to the queue's bound in Python lists (~12x its wire
+    size): four at once, four times the bound. What the decodes in progress will hold is now counted
+    from the headers, against the bound: one over it waits its turn (503 + Retry-After)."""
+    import threading
+
+    from toolrl.refserver import app as app_mod
+
+    first_in, go_on = threading.Event(), threading.Event()
+    real = app_mod.decode_samples
+
+    def held_open(body, *args, **kw):  # the first decode stays in progress until told
+        if not first_in.is_set():
+            first_in.set()
+            assert go_on.wait(30)
+        return real(body, *args, **kw)
+
+    monkeypatch.setattr(app_mod, "decode_samples", held_open)
+    monkeypatch.setattr(app_mod, "INLINE_CODEC_BYTES", 0)  # every decode off the loop, as large ones are
+    big = [mk(i, p=10, c=1000) for i in range(8)]  # ~963 KB once decoded, of a 1 MiB bound
+    with serve(create_app(config(max_queue_bytes=1 << 20))) as url, httpx.Client(base_url=url) as h:
+        answers = []
+        first = threading.Thread(target=lambda: answers.append(h.post("/upload", content=encode_samples(big))))
+        first.start()
+        assert first_in.wait(30)
+        r = h.post("/upload", content=encode_samples([mk(9, p=10, c=1000)]))  # ~120 KB more: over the bound
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "uploads being decoded" in r.json()["detail"]
+        small = h.post("/upload", content=encode_samples([mk(10)]))  # ~1 KB: fits beside it
+        go_on.set()
+        first.join(30)
+        assert small.status_code == 200 and answers[0].status_code == 200, (small.text, answers[0].text)
+        assert h.get("/stats").json()["http"]["uploads_busy"] == 1

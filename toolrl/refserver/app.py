@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from toolrl.config import Config
 from toolrl.protocol import (CONTENT_TYPE, PayloadTooLarge, Sample, SampleTooLong, WireFormatError, decode_samples,
-                             encode_samples)
+                             encode_samples, samples_held_bytes)
 from toolrl.net import ByteBudget, bearer_auth, cap_request_bodies, install_error_handlers, read_body_capped
 from toolrl.refserver import metrics
 from toolrl.refserver.checks import AheadOfLearner, Refused, check_versions
@@ -138,6 +138,9 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     started = time.monotonic()
     tasks: list[asyncio.Task] = []
     decoding = asyncio.Semaphore(MAX_CONCURRENT_DECODES)
+    # What the uploads being decoded will hold (estimated from their headers): at most the queue's own
+    # bound at once, so a few large groups decoding together cannot take several times that
+    decoded = ByteBudget(rs.max_queue_bytes, "uploads being decoded (their size once decoded)")
 
     def stats() -> dict[str, Any]:
         q, ref = {**queue.core.stats(), "upload_waiters": queue.upload_waiters}, reference.stats()
@@ -253,7 +256,12 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
             except TimeoutError:
                 raise _busy(f"no decode slot free within {rs.body_timeout_s:g}s; retry") from None
             try:
-                return await _off_loop(len(body) > INLINE_CODEC_BYTES, decode_and_check, body)
+                held = min(samples_held_bytes(body), decoded.limit)  # more: decode_samples refuses it (413)
+                decoded.take(held)  # 503 + Retry-After while other decodes hold the bound
+                try:
+                    return await _off_loop(len(body) > INLINE_CODEC_BYTES, decode_and_check, body)
+                finally:
+                    decoded.release(held)
             finally:
                 decoding.release()
         finally:
