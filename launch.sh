@@ -97,7 +97,7 @@ mapfile -t V < <("$PY" config.py --config "$CONFIG" "${SETS[@]}" --get executor.
   --get launch.learner_gpus --get model.name --get executor.token --get ref_server.token \
   --get rollout.token --get launch.stop_timeout_s || echo FAILED)
 [ ${#V[@]} = 12 ] || exit 2
-STOP_S=$(printf '%.0f' "${V[11]}")  # config.py may print a float as 1e+16
+STOP_S=$(LC_ALL=C printf '%.0f' "${V[11]}")  # a float as config.py prints it; LC_ALL: "180.0" in any locale
 EX_PORT=${V[0]}; REF_PORT=${V[1]}; W_PORT=${V[2]}; WORKERS=${V[3]}
 REF_GPU=${V[4]}; WORKER_GPUS=${V[5]}; LEARNER_GPUS=${V[6]}; MODEL=${V[7]}
 # Every service takes a bearer token: each one the config (or the environment) leaves unset gets a
@@ -189,7 +189,8 @@ is_rank() {  # is_rank PID: it runs learner.py itself (python [-u] learner.py ..
   if [ "$first" = -u ]; then first=${args[2]:-}; fi
   [[ $first == *learner.py ]]
 }
-learner_ranks() {  # the learner's ranks: below its launcher (torchrun gives each a session of its own)
+learner_ranks() {  # RANKS=the learner's ranks: below its launcher (torchrun gives each a session of its own)
+  # Sets RANKS rather than printing them: run in this shell, a second Ctrl-C cannot cut the scan short
   local stat pid pp rest grew=1
   local -A parent=() below=(["${PIDS[$LEARNER]}"]=1)
   for stat in /proc/[0-9]*/stat; do
@@ -205,15 +206,16 @@ learner_ranks() {  # the learner's ranks: below its launcher (torchrun gives eac
       if [ -z "${below[$pid]:-}" ] && [ -n "${below[$pp]:-}" ]; then below[$pid]=1; grew=1; fi
     done
   done
+  RANKS=""
   for pid in "${!below[@]}"; do
-    if is_rank "$pid"; then echo "$pid"; fi
+    if is_rank "$pid"; then RANKS+="$pid "; fi
   done
   return 0
 }
 learner_alive() {  # its process group, or a rank of it in a session of its own
   local pid
   kill -0 -- "-${PIDS[$LEARNER]}" 2>/dev/null && return 0
-  for pid in $RANKS; do kill -0 "$pid" 2>/dev/null && return 0; done
+  for pid in $RANKS; do is_rank "$pid" && return 0; done  # still there, and still a rank
   return 1
 }
 stop_all() {
@@ -229,7 +231,7 @@ stop_all() {
   local t0=$SECONDS said=0 pid
   RANKS=""
   if [ -n "${PIDS[$LEARNER]:-}" ] && kill -0 -- "-${PIDS[$LEARNER]}" 2>/dev/null; then
-    RANKS=$(learner_ranks) || true  # a second Ctrl-C kills this subshell: never the end of the script
+    learner_ranks
     if [ -n "$RANKS" ]; then
       kill -TERM $RANKS 2>/dev/null || true
     else

@@ -1,4 +1,5 @@
 """The wire format: exact round trips, and a typed error for every malformed payload."""
+import json
 import math
 import struct
 
@@ -10,7 +11,7 @@ from pydantic import ValidationError
 
 from toolrl.protocol import (
     COMPLETION_TOKEN_BYTES, PROMPT_TOKEN_BYTES, CorruptPayload, PayloadTooLarge, Sample, SampleTooLong,
-    SchemaMismatch, ToolCall, WireFormatError, decode_samples, encode_samples, pack,
+    SchemaMismatch, ToolCall, WireFormatError, decode_samples, encode_samples, pack, samples_held_bytes,
 )
 from toolrl.weightsync.buckets import bucketize, decode_weight_bucket, encode_weight_bucket
 
@@ -123,6 +124,15 @@ def test_a_group_too_large_once_decoded_is_refused_before_its_lists_are_built(mo
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("tolist before the bound"))
     with pytest.raises(PayloadTooLarge, match=f"would hold ~{held} bytes once decoded, over the limit of {held - 1}"):
         decode_samples(payload, max_held_bytes=held - 1)
+    # the same estimate from the header alone, for the receiver's budget; a forged shape estimates nothing
+    assert samples_held_bytes(payload) == held
+    n = struct.unpack("<Q", payload[:8])[0]
+    header = json.loads(payload[8:8 + n])
+    for shape in ([-10**9], [10**30], ["7"], 7):
+        header["completion_ids"]["shape"] = shape
+        raw = json.dumps(header).encode()
+        assert samples_held_bytes(struct.pack("<Q", len(raw)) + raw + payload[8 + n:]) == 0, shape
+    assert samples_held_bytes(b"short") == 0
 
 
 @settings(max_examples=300, deadline=None)

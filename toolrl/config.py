@@ -502,7 +502,7 @@ class LaunchConfig(Section):
     # checkpoint before stopping it (a second Ctrl-C: at once). The learner's ranks get the signal
     # alone: the deepspeed and torchrun launchers SIGKILL them 30 s after they get it themselves,
     # which a CPU step of the demo (25-76 s) can outlast.
-    stop_timeout_s: float = Field(180.0, ge=0)
+    stop_timeout_s: float = Field(180.0, ge=0, le=86400)
 
     @field_validator("worker_gpus", "learner_gpus", mode="before")
     @classmethod

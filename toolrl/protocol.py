@@ -374,9 +374,14 @@ def samples_held_bytes(data: bytes) -> int:
     cannot be read (decode_samples then says what is wrong)."""
     try:
         _, header, _ = read_header(data, len(data), SCHEMA_SAMPLES)
-        return held_bytes(*(math.prod(int(d) for d in header[k]["shape"]) for k in ("prompt_ids", "completion_ids")))
-    except (WireFormatError, KeyError, TypeError, ValueError, struct.error):
+        shapes = [header[k]["shape"] for k in ("prompt_ids", "completion_ids")]
+    except Exception:  # noqa: BLE001 - any defect: decode_samples names it
         return 0
+    # a forged header may say anything: negative or absurd dimensions estimate nothing
+    if not all(isinstance(shape, list) and all(isinstance(d, int) and 0 <= d < 1 << 40 for d in shape)
+               for shape in shapes):
+        return 0
+    return held_bytes(*(math.prod(shape) for shape in shapes))
 
 
 def decode_samples(data: bytes, max_bytes: int = MAX_SAMPLES_BYTES, max_tokens: int | None = None,

@@ -498,3 +498,6 @@ def test_uploads_decoding_at_once_hold_at_most_the_queue_bound(monkeypatch):
         first.join(30)
         assert small.status_code == 200 and answers[0].status_code == 200, (small.text, answers[0].text)
         assert h.get("/stats").json()["http"]["uploads_busy"] == 1
+        with RefServerClient(url) as c:  # the queue emptied, the bound is whole again: as large a group fits
+            assert len(c.get_batch(100, 10**7, wait_s=5)) == 9
+        assert h.post("/upload", content=encode_samples(big)).status_code == 200

@@ -256,7 +256,9 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
             except TimeoutError:
                 raise _busy(f"no decode slot free within {rs.body_timeout_s:g}s; retry") from None
             try:
-                held = min(samples_held_bytes(body), decoded.limit)  # more: decode_samples refuses it (413)
+                held = await _off_loop(len(body) > INLINE_CODEC_BYTES, samples_held_bytes, body)  # a JSON parse
+                if held > decoded.limit:
+                    held = 0  # decode_samples refuses it from its tensors (413); it holds nothing meanwhile
                 decoded.take(held)  # 503 + Retry-After while other decodes hold the bound
                 try:
                     return await _off_loop(len(body) > INLINE_CODEC_BYTES, decode_and_check, body)

@@ -197,12 +197,14 @@ def looks_local(path: str) -> bool:
 def _cached_script(repo: str) -> bool:
     """Whether the hub cache holds `repo` with its loading script (NAME.py, as datasets looks for it)."""
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import try_to_load_from_cache
 
-        folder = Path(snapshot_download(repo, repo_type="dataset", local_files_only=True))
-    except Exception:  # not cached, or no huggingface_hub
+        # one file, not the snapshot: a snapshot an online run cached is checked against the repo's whole
+        # file list, which holds files never downloaded (found in review)
+        found = try_to_load_from_cache(repo, f"{repo.rpartition('/')[2]}.py", repo_type="dataset")
+    except Exception:  # no huggingface_hub, or a repo id it refuses
         return False
-    return (folder / f"{repo.rpartition('/')[2]}.py").is_file()
+    return isinstance(found, str)
 
 
 def _script_dataset_files(repo: str, split: str | None) -> list[Path]:

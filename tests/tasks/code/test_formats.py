@@ -404,6 +404,11 @@ def hub_cache(tmp_path, monkeypatch):
     (repo / "snapshots" / commit / "apps.py").write_text("# loading script\n")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
+    # the repo's whole file list, as an online snapshot_download leaves it: files never downloaded too
+    (repo / "trees").mkdir()
+    listed = (".gitattributes", "README.md", "apps.py", "train.jsonl", "test.jsonl")
+    (repo / "trees" / f"{commit}.json").write_text(json.dumps({"format_version": 1, "files": {
+        f: {"size": 3, "blob_id": "x"} for f in listed}}))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
