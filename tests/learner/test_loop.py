@@ -375,3 +375,26 @@ def test_a_reference_server_that_restarts_between_steps_costs_a_wait_not_the_run
     assert rows[1]["time_wait_s"] > 5  # step 2 waited for the new server
     assert seen == {"version": 2, "done": True, "finished": True}  # the new server got step 2's push
     assert any("no batch this round" in r.message for r in caplog.records)
+
+
+def test_a_push_while_the_reference_server_is_down_is_announced_by_the_next_batch_request(caplog):
+    """A reference server restarting between a step and its push: the version announce and the worker
+    list failed, and the learner died with its trained step. Now the push is skipped with a warning,
+    and the learner's next batch request tells the server that comes back the version."""
+    import logging
+
+    from procs import free_port
+    from toolrl.learner.loop import push_or_skip
+    from toolrl.refserver.client import RefServerClient
+    from toolrl.weightsync.pusher import WeightSync
+
+    cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "grpo.beta=0"])
+    port = free_port()
+    with RefServerClient(f"http://127.0.0.1:{port}", retries=1) as ref:
+        with caplog.at_level(logging.WARNING, logger="learner"):
+            assert push_or_skip(WeightSync(cfg, ref), [], 3) == {}
+        assert any("version 3 not pushed: the reference server is unreachable" in r.message for r in caplog.records)
+        with serve(create_app(cfg), port=port):
+            assert ref.stats()["queue"]["learner_version"] == 0
+            assert ref.get_batch(1, 1000, wait_s=0) is None
+            assert ref.stats()["queue"]["learner_version"] == 3

@@ -117,26 +117,3 @@ def test_a_worker_restarted_under_its_id_and_url_is_caught_up():
     reg.list = [{**first, "registered_at": 250.0}]  # the same id and URL, a new life, empty
     assert [w["id"] for w in s.behind(7)] == ["worker-0"]
 
-
-def test_a_push_while_the_reference_server_is_down_is_announced_by_the_next_batch_request(caplog):
-    """A reference server restarting between a step and its push: workers() and the version announce
-    failed, and the learner died with its trained step. Now the push reports no one reached, the next
-    catch-up round sees no one (and asks again later), and the learner's next batch request tells the
-    server that comes back the version."""
-    from procs import free_port, serve
-    from toolrl.refserver.app import create_app
-    from toolrl.refserver.client import RefServerClient
-
-    cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "grpo.beta=0"])
-    port = free_port()
-    with RefServerClient(f"http://127.0.0.1:{port}", retries=1) as ref:
-        s = WeightSync(cfg, ref, transport=Recorder())
-        with caplog.at_level(logging.WARNING, logger="learner"):
-            res = s.push([], 3)
-            assert s.behind(3) == []
-        assert (res["version"], res["workers_ok"], res["workers_failed"]) == (3, 0, 0)
-        assert any("version 3 not pushed: the reference server is unreachable" in r.message for r in caplog.records)
-        with serve(create_app(cfg), port=port):
-            assert ref.stats()["queue"]["learner_version"] == 0
-            assert ref.get_batch(1, 1000, wait_s=0) is None
-            assert ref.stats()["queue"]["learner_version"] == 3

@@ -44,6 +44,19 @@ def whole_batch(batch: list, world: int) -> list:
     return [s for share in shares for s in share] if shares else batch
 
 
+def push_or_skip(sync: WeightSync, named, version: int) -> dict:
+    """`sync.push`, except that a reference server that cannot be reached (down, restarting) costs this
+    push, not the run: the learner died with its trained step. The version still reaches the server
+    with the learner's next batch request (RefServerClient keeps it), and the next catch-up round
+    finds the workers behind it. -> the push's report, {} when skipped. Rank 0."""
+    try:
+        return sync.push(named, version)
+    except RefServerUnavailable as exc:
+        log.warning("version %d not pushed: the reference server is unreachable (%s); the workers get it at the "
+                    "next catch-up", version, exc)
+        return {}
+
+
 def from_rank0(value, world: int):
     """Rank 0's `value` on every rank. Collective."""
     if world == 1:
@@ -122,7 +135,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         named = state()  # every rank: a ZeRO-3 gather is collective
         if rank0:
             ref.set_version(trainer.version, restart=True)
-            sync.push(named, trainer.version)
+            push_or_skip(sync, named, trainer.version)
             # Each worker continues its problem stream and curriculum where it was at the checkpoint
             # (the reference server hands a state back to the worker of that id at its next heartbeat).
             workers = (run_state or {}).get("workers") or {}
@@ -173,11 +186,19 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         signal on any rank leaves the wait on every rank (Preempted)."""
         if trainer.all_agree(bool(stop)):
             raise Preempted
-        behind = sync.behind(trainer.version) if rank0 else []
+        behind = []
+        if rank0:
+            try:
+                behind = sync.behind(trainer.version)
+            except RefServerUnavailable as exc:  # away for now: the next round asks again
+                log.warning("cannot see which workers are behind: %s", exc)
         if trainer.all_agree(bool(behind)):
             named = state()
             if rank0:
-                sync.catch_up(lambda: named, trainer.version, behind)
+                try:
+                    sync.catch_up(lambda: named, trainer.version, behind)
+                except RefServerUnavailable as exc:
+                    log.warning("catch-up to version %d not sent: %s", trainer.version, exc)
         return trainer.all_agree(drawing)
 
     eval_s: list[float] = []  # each held-out evaluation's seconds (rank 0): the final one is reserved
@@ -268,7 +289,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
             trainer.version += 1
             named = state()
             if rank0:
-                synced = sync.push(named, trainer.version)
+                synced = push_or_skip(sync, named, trainer.version)
         t3 = time.time()
         own = batch_stats(batch, held)
         # every rank decays the teacher weight by the same accuracy: that of the whole batch
@@ -325,7 +346,7 @@ def run(cfg: Config, run_dir: Path | None, resume: bool, started: float | None =
         trainer.version += 1
         named = state()  # every rank: a ZeRO-3 gather is collective
         if rank0:
-            sync.push(named, trainer.version)
+            push_or_skip(sync, named, trainer.version)
     if rank0:  # workers stop their rollouts now: nothing will train them, and the final evaluation gets the engine
         try:
             ref.finish(trainer.version)

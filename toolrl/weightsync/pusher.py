@@ -27,7 +27,6 @@ from urllib.parse import urlsplit
 from toolrl.config import Config
 from toolrl.net import RetryPolicy
 from toolrl.protocol import incarnation
-from toolrl.refserver.client import RefServerUnavailable
 from toolrl.weightsync.fanout import make_plans
 from toolrl.weightsync.http import HttpTransport
 from toolrl.weightsync.process_group import ProcessGroupTransport
@@ -97,19 +96,11 @@ class WeightSync:
         """Push to the given (default: all live) workers, in parallel or down the fan-out tree (unless
         `direct`); report who failed."""
         t0 = time.time()
-        try:
-            # Announced first: a worker can finish a rollout under `version` as soon as it has loaded
-            # it (an interrupted one resumes at once), and the reference server holds back (503)
-            # samples newer than the version it knows.
-            self.ref.set_version(version)
-            workers = self.trusted(self.ref.workers() if workers is None else workers)
-        except RefServerUnavailable as exc:
-            # Down or restarting: no one to push to, and no one to tell. The learner's next batch
-            # request carries the version, and the next catch-up finds the workers behind it.
-            log.warning("version %d not pushed: the reference server is unreachable (%s); the workers get it "
-                        "at the next catch-up", version, exc)
-            self.last = {"version": version, "workers_ok": 0, "workers_failed": 0, "sync_s": time.time() - t0}
-            return {**self.last, "failed": {}}
+        # Announced first: a worker can finish a rollout under `version` as soon as it has loaded it
+        # (an interrupted one resumes at once), and the reference server holds back (503) samples
+        # newer than the version it knows.
+        self.ref.set_version(version)
+        workers = self.trusted(self.ref.workers() if workers is None else workers)
         egress = getattr(self.transport, "egress", None)
         sent0 = egress.sent if egress is not None else 0
         fresh = self._prepare(named, version, workers)
@@ -212,12 +203,8 @@ class WeightSync:
 
     def behind(self, version: int) -> list[dict]:
         """Live workers that are behind `version` (late joiners, earlier failures); workers that left
-        are forgotten. Empty while the reference server cannot be reached: the next round asks again."""
-        try:
-            live = self.trusted(self.ref.workers())
-        except RefServerUnavailable as exc:
-            log.warning("cannot see which workers are behind: %s", exc)
-            return []
+        are forgotten."""
+        live = self.trusted(self.ref.workers())
         self.pushed = {k: v for k, v in self.pushed.items() if k in {incarnation(w) for w in live}}  # left: forgotten
         self.transport.forget({(w["id"], w["url"]) for w in live})
         # The registry learns a worker's version from its next heartbeat; what we pushed counts now.
