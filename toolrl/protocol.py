@@ -30,9 +30,10 @@ CONTENT_TYPE = "application/vnd.toolrl.safetensors"
 MAX_SAMPLES_BYTES = 64 << 20
 MAX_HEADER_BYTES = 16 << 20
 # Resident bytes of one token of a decoded Sample, held in Python lists: a prompt id ~40 B (int object
-# and pointer); a completion token ~120 B (its id, mask entry, logprob and reference logprob). The queue
-# counts held samples with these (refserver.queue.sample_nbytes); decode_samples refuses by them a
-# payload that could never be held, before building its lists (~12x the wire size).
+# and pointer); a completion token ~120 B (its id, mask entry, logprob and reference logprob). Through
+# held_bytes: the queue counts held samples (refserver.queue.sample_nbytes), decode_samples refuses a
+# payload that could never be held before building its lists (~12x the wire size), and the reference
+# server budgets the uploads decoding at once (samples_held_bytes, from their headers).
 PROMPT_TOKEN_BYTES = 40
 COMPLETION_TOKEN_BYTES = 120
 

@@ -33,12 +33,12 @@ def sample_nbytes(s: Sample) -> int:
     on what tracemalloc measures (tests/refserver/test_ref_server_queue.py), within ~3x of it.
 
     Every field counts, since whatever a client can make the server hold must count against the bound:
-    per token the protocol's held_bytes (~40 B for an id held in a
-    list, 8 B for a mask entry, 32 B per float: logprobs, then ref_logprobs); strings at their stored
-    size (sys.getsizeof is O(1) for a str and knows 1, 2 or 4 bytes per character); per reward and
-    per tool call the dict entry, float and model-object overhead; per version run its tuple, two ints
-    and list slot. The base covers the model object, its field dict, the empty lists, the fixed-size
-    fields (FIXED_SIZE_FIELDS) and the queue entry."""
+    per token the protocol's held_bytes (~40 B for an id held in a list, 8 B for a mask entry, 32 B
+    per float: logprobs, then ref_logprobs); strings at their stored size (sys.getsizeof is O(1) for
+    a str and knows 1, 2 or 4 bytes per character); per reward and per tool call the dict entry, float
+    and model-object overhead; per version run its tuple, two ints and list slot. The base covers the
+    model object, its field dict, the empty lists, the fixed-size fields (FIXED_SIZE_FIELDS) and the
+    queue entry."""
     p, c = len(s.prompt_ids), len(s.completion_ids)
     n = SAMPLE_BASE_BYTES + held_bytes(p, c)
     n += VERSION_RUN_BYTES * len(s.version_runs)

@@ -244,10 +244,10 @@ def read_located_rows(path: str, split: str | None = "train") -> list[Located]:
         raise DataError(f"{path!r} is not a local path, and a hub id needs the `datasets` package") from None
     except Exception as exc:  # offline, unknown id, bad split: one clear line
         failed = exc
-    # Refused for its script, or offline (datasets fails before it looks) with a script in the cache
-    if failed is not None and not config and (SCRIPT_REFUSED in str(failed) or _cached_script(repo)):
-        return [row for f in _script_dataset_files(repo, split) for row in read_file(f)]
     if failed is not None:
+        # Refused for its script, or offline (datasets fails before it looks) with a script in the cache
+        if not config and (SCRIPT_REFUSED in str(failed) or _cached_script(repo)):
+            return [row for f in _script_dataset_files(repo, split) for row in read_file(f)]
         raise DataError(f"could not load hub dataset {path!r} split {split!r} ({path!r} is not a local file or "
                         f"directory either): {type(failed).__name__}: {failed}") from None
     parts = ds.items() if split is None else [(split, ds)]  # None: a DatasetDict, every split
