@@ -43,6 +43,16 @@ def test_honest_programs_score_by_the_fraction_passed(client):
     assert res[2].status == "no_code" and res[3].status == "syntax"
 
 
+# Reads the tests' text out of the harness's memory and answers each by lookup
+PROC_ATTACK = (
+    "import os, re\nT = {}\npid = os.getppid()\ntry:\n    maps = open('/proc/%d/maps' % pid).read().splitlines()\n"
+    "    mem = os.open('/proc/%d/mem' % pid, os.O_RDONLY)\nexcept OSError:\n    maps = []\n"
+    "for ln in maps:\n    lo, hi = (int(x, 16) for x in ln.split()[0].split('-'))\n"
+    "    if 'rw' not in ln.split()[1] or hi - lo > 1 << 28:\n        continue\n"
+    "    try:\n        data = os.pread(mem, hi - lo, lo)\n    except Exception:\n        continue\n"
+    "    for a, b, c in re.findall(rb'add\\((-?\\d+), (-?\\d+)\\) == (-?\\d+)', data):\n"
+    "        T[int(a), int(b)] = int(c)\ndef add(a, b):\n    return T.get((a, b), -99)\n")
+
 ATTACKS = {
     "sys.exit(0) before the tests": "import sys\nsys.exit(0)\ndef add(a, b):\n    return -99\n",
     "os._exit(0) before the tests": "import os\nos._exit(0)\n",
@@ -99,12 +109,38 @@ ATTACKS = {
         "    return _orig(obj, *a, **k)\ndef _h(*a):\n    json.dumps = _fake\n"
         "signal.signal(signal.SIGPROF, _h)\nsignal.setitimer(signal.ITIMER_PROF, 0.00002, 0.00002)\n"
         "def add(a, b):\n    return -99\n"),
+    # found in review (2026-11-29, eighth): the program ran in the harness's own process, so the
+    # harness's frame gave the nonce and the report fd (every test passed), and the runner's memory
+    # held the tests' text. Now it runs in a fresh interpreter of its own (companion.py).
+    "the harness's frame: its nonce and report fd": (
+        "import sys, os\nf = sys._getframe()\nwhile f is not None and 'nonce' not in f.f_locals:\n"
+        "    f = f.f_back\nn, fd = f.f_locals['nonce'], f.f_locals['report_fd']\n"
+        "for i in range(3):\n    os.write(fd, ('\\n%s [%d, true, null]\\n' % (n, i)).encode())\nos._exit(0)\n"),
+    "the tests' text from memory (gc and frames)": (
+        "import gc, re, sys\nT = {}\ndef _look(text):\n"
+        "    for a, b, c in re.findall(r'add\\((-?\\d+), (-?\\d+)\\) == (-?\\d+)', text):\n"
+        "        T[int(a), int(b)] = int(c)\n"
+        "for o in gc.get_objects():\n"
+        "    for v in (o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else ()):\n"
+        "        if isinstance(v, str) and 'add(' in v:\n            _look(v)\n"
+        "f = sys._getframe()\nwhile f is not None:\n    for v in f.f_locals.values():\n"
+        "        if isinstance(v, str):\n            _look(v)\n    f = f.f_back\n"
+        "def add(a, b):\n    return T.get((a, b), -99)\n"),
+    "the harness's memory through /proc": PROC_ATTACK,
 }
 
 
 @pytest.mark.parametrize("attack", ATTACKS)
 def test_no_attack_passes_a_test(client, attack):
     assert score(client, [ATTACKS[attack]], ADD, per_test_timeout_s=1.0) == [0]
+
+
+def test_without_per_slot_uids_the_program_still_cannot_read_the_harness(tmp_path):
+    """Runners that stay root (executor.disable_isolation uid) hold CAP_SYS_PTRACE: the program's
+    process drops every capability before it runs, so the harness's memory stays closed."""
+    with LocalExecutor(sets=['executor.disable_isolation=["uid"]'], log_path=tmp_path / "executor.log") as ex:
+        with ExecutorClient(ex.url, timeout_s=60) as c:
+            assert score(c, [PROC_ATTACK, GOOD], ADD) == [0, 3]
 
 
 def test_patching_a_module_the_tests_use_is_undone(client):
@@ -228,10 +264,44 @@ def test_outputs_are_compared_alike_whatever_their_length_and_values_by_value(cl
     assert score(client, [honest, "def f(x):\n    return 0\n"], call) == [3, 0]
 
 
-def test_partial_credit_survives_a_hang_in_a_later_test(client):
+def test_partial_credit_survives_a_hang_or_an_exit_in_any_test(client):
     spec = TestSpec("assert", tests=["assert f(1) == 1", "assert f(2) == 2", "assert f(0) == 0"])
     prog = "def f(x):\n    while x == 0:\n        pass\n    return x\n"
     assert score(client, [prog], spec, per_test_timeout_s=1.0) == [2]
+    # the program's process is started afresh for the tests after one that hung or exited
+    first = TestSpec("assert", tests=["assert f(0) == 0", "assert f(1) == 1", "assert f(2) == 2"])
+    leaves = "import os\ndef f(x):\n    if x == 1:\n        os._exit(0)\n    return x\n"
+    assert score(client, [prog, leaves], first, per_test_timeout_s=1.0) == [2, 2]
+
+
+def test_what_tests_do_with_the_programs_objects_crosses_to_its_process(client):
+    """Assert tests call into the program's own process: classes and their instances, methods,
+    exceptions the tests expect, the program's modules and constants, keyword arguments and large
+    values all work as they did in one process; an object is never taken for plain data."""
+    program = (
+        "import math\nfrom collections import Counter\nLIMIT = 3\n"
+        "class Pair:\n    def __init__(self, a, b):\n        self.a, self.b = a, b\n"
+        "    def span(self):\n        return self.b - self.a\n    def __len__(self):\n        return 2\n"
+        "def chain(pairs, n):\n    return sum(p.span() for p in pairs[:n])\n"
+        "def root(x, *, exact=False):\n    if x < 0:\n        raise ValueError(x)\n"
+        "    return math.isqrt(x) if exact else math.sqrt(x)\n"
+        "def count(s):\n    return Counter(s)\n"
+        "def primes(n):\n    s = bytearray([1]) * n\n    s[:2] = b'\\0\\0'\n"
+        "    for i in range(2, int(n ** 0.5) + 1):\n        if s[i]:\n"
+        "            s[i * i::i] = bytearray(len(s[i * i::i]))\n"
+        "    return [i for i in range(n) if s[i]]\n"
+        "def same(x):\n    return Pair(1, 2)\n")
+    spec = TestSpec("assert", tests=[
+        "assert chain([Pair(1, 5), Pair(2, 3)], 2) == 5",
+        "p = Pair(2, 9)\nassert p.span() == 7 and p.a == 2 and len(p) == 2",
+        "assert math.isclose(root(2.0), 1.41421356, rel_tol=1e-6) and root(16, exact=True) == 4",
+        "try:\n    root(-1)\nexcept ValueError:\n    pass\nelse:\n    assert False",
+        "assert count('aab') == {'a': 2, 'b': 1} and LIMIT == 3",
+        "assert len(primes(200000)) == 17984",
+        "assert same(1) == same(1)",  # the program's objects compare as nothing
+    ])
+    res = run_tests(client, [program], [spec], per_test_timeout_s=5.0)[0]
+    assert (res.passed, res.total) == (6, 7)
 
 
 def test_judge_ignores_lines_without_the_nonce_and_rejects_duplicates():
@@ -384,8 +454,13 @@ def test_a_program_that_floods_its_output_scores_0_and_its_group_keeps_its_score
     from toolrl.tasks.code.judge import ReportsCut
 
     flood = "import os\nos.write(2, b'x' * 100_000)\nos._exit(0)\ndef add(a, b):\n    return a + b\n"
-    res = run_tests(client, [GOOD, GOOD, flood], [ADD] * 3)
+    # a call task's program runs in the harness's process, whose output the executor caps
+    call = TestSpec("call", fn_name="add", inputs=[[1, 2], [2, 2], [-1, 1]], outputs=[3, 4, 0])
+    res = run_tests(client, [GOOD, GOOD, flood], [call] * 3)
     assert [r.passed for r in res] == [3, 3, 0] and "no test ran" in res[2].detail
+    # an assert task's program runs in a process of its own, whose output goes nowhere
+    res = run_tests(client, [GOOD, flood], [ADD] * 2)
+    assert [r.passed for r in res] == [3, 0] and res[1].detail == "exited" and res[1].status == "ok"
     # the report stream cut: reports beside the mark are the cap's doing; anything else, the program's
     nonce, cut = new_nonce(), MARKER.format(omitted=5000)
     reports = f"\n{nonce} [0, true, null]\n{nonce} [1, tr" + cut + "ue, null]\n"

@@ -2,31 +2,37 @@
 needs nothing from its module, and run as a plain process it reports what the judge reads back
 (the sandboxed runs and the attacks: test_code_rewards.py)."""
 import inspect
+import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from toolrl.tasks.code import harness
-from toolrl.tasks.code.judge import HARNESS, TestSpec, build_harness, judge, new_nonce
+from toolrl.tasks.code import companion, harness
+from toolrl.tasks.code.judge import COMPANION, HARNESS, TestSpec, build_harness, judge, new_nonce
 
 
 def test_the_harness_sent_is_the_functions_source_and_needs_nothing_from_its_module():
-    assert HARNESS == "\n" + inspect.getsource(harness._toolrl_digest) + "\n\n" + inspect.getsource(
-        harness._toolrl_harness)
+    sources = [inspect.getsource(f) for f in (harness._toolrl_digest, companion._toolrl_codec, harness._toolrl_harness)]
+    assert HARNESS == "\n\n".join(sources)
+    assert COMPANION.startswith(inspect.getsource(companion._toolrl_codec)) and COMPANION.endswith(
+        inspect.getsource(companion._toolrl_companion) + "\n_toolrl_companion(3)\n")
     # self-contained: no toolrl inside, and the runs below are `python -c` of this source alone
-    assert "toolrl" not in HARNESS.replace("_toolrl_harness", "").replace("_toolrl_digest", "")
-    code = build_harness("x = 1", TestSpec("assert", tests=["assert x == 1"]), 1.0)
-    assert code.startswith(HARNESS) and code.endswith("\n_toolrl_harness('x = 1', " + repr(
-        {"kind": "assert", "per_test_timeout_s": 1.0, "tests": ["assert x == 1"], "setup": "",
-         "entry_point": None}) + ")\n")
+    for text in (HARNESS, COMPANION):
+        assert "toolrl" not in re.sub(r"_toolrl_(harness|digest|codec|companion)", "", text)
+    code, stdin = build_harness("x = 1", TestSpec("assert", tests=["assert x == 1"]), 1.0, "N")
+    assert code.startswith(HARNESS) and code.endswith(f"\n_toolrl_harness('x = 1', {COMPANION!r})\n")
+    # the tests travel on stdin after the nonce's line, never in the code a program's process could read
+    assert "assert x == 1" not in code and stdin == "N\n" + json.dumps(
+        {"kind": "assert", "per_test_timeout_s": 1.0, "tests": ["assert x == 1"], "setup": "", "entry_point": None})
 
 
 def run_plain(program: str, spec: TestSpec):
     """The harness in a plain interpreter (no sandbox), judged as the executor's output would be."""
     nonce = new_nonce()
-    p = subprocess.run([sys.executable, "-c", build_harness(program, spec, 2.0)], input=nonce + "\n",
-                       capture_output=True, text=True, timeout=60)
+    code, stdin = build_harness(program, spec, 2.0, nonce)
+    p = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, text=True, timeout=60)
     return judge(p.stdout, "ok", nonce, spec)
 
 

@@ -34,7 +34,7 @@ def problem_of(level, template, split="train", stem="t"):
 FORKER = r"""
 import collections, decimal, fractions, hashlib, io, json, os, signal, sys
 outs = []
-for code, nonce in json.loads(sys.stdin.read()):
+for code, stdin in json.loads(sys.stdin.read()):
     r0, w0 = os.pipe()
     r1, w1 = os.pipe()
     pid = os.fork()
@@ -47,7 +47,7 @@ for code, nonce in json.loads(sys.stdin.read()):
         os._exit(1)
     os.close(r0)
     os.close(w1)
-    os.write(w0, (nonce + "\n").encode())
+    os.write(w0, stdin.encode())
     os.close(w0)
     chunks = []
     while chunk := os.read(r1, 1 << 16):
@@ -64,10 +64,11 @@ def run_judged(jobs):
     harness and the judge (the harness unsandboxed; the sandboxed executor runs the same code:
     tests/tasks/code/test_code_rewards.py)."""
     specs = [TestSpec.from_json(p.answer) for _, p in jobs]
-    runs = [(build_harness(program_in(c, spec), spec, 2.0), new_nonce()) for (c, _), spec in zip(jobs, specs)]
+    nonces = [new_nonce() for _ in specs]
+    runs = [build_harness(program_in(c, spec), spec, 2.0, nonce) for (c, _), spec, nonce in zip(jobs, specs, nonces)]
     out = subprocess.run([sys.executable, "-S", "-c", FORKER], input=json.dumps(runs), capture_output=True,
                          text=True, timeout=120, check=True)
-    return [judge(stdout, "ok", nonce, spec) for stdout, (_, nonce), spec in zip(json.loads(out.stdout), runs, specs)]
+    return [judge(stdout, "ok", nonce, spec) for stdout, nonce, spec in zip(json.loads(out.stdout), nonces, specs)]
 
 
 def test_the_levels_have_a_dozen_templates_each():

@@ -1,12 +1,15 @@
 """The test harness: runs inside the executor with a code task's program and tests, and reports
 each test on a line that starts with the run's nonce (toolrl.tasks.code.judge explains why a
-program cannot fake a report, and reads the lines back).
+program cannot fake a report, and reads the lines back). The nonce and the tests arrive on stdin.
 
-The source of `_toolrl_digest` and `_toolrl_harness` is what goes to the executor (judge.build_harness
-appends the call), so they are self-contained: everything they use is imported or defined inside
-them, nothing comes from toolrl, and what the harness captures first (os.write, os._exit, the digest,
-...) the program cannot rebind.
+The source of `_toolrl_digest`, `_toolrl_codec` and `_toolrl_harness` is what goes to the executor
+(judge.build_harness appends the call), so they are self-contained: everything they use is imported
+or defined inside them or sent beside, nothing comes from toolrl. For `assert` tasks the program runs
+in a process of its own (toolrl.tasks.code.companion); for `stdio` and `call` tasks, whose expected
+outputs never enter the sandbox, here, and what the harness captures first (os.write, os._exit, the
+digest, ...) the program cannot rebind.
 """
+from toolrl.tasks.code.companion import _toolrl_codec  # noqa: F401  (sent beside the harness: judge.HARNESS)
 
 
 def _toolrl_digest(text):
@@ -28,7 +31,7 @@ def _toolrl_digest(text):
     return {"sha256": hashlib.sha256(" ".join(out).encode()).hexdigest()}
 
 
-def _toolrl_harness(program, spec):
+def _toolrl_harness(program, companion):
     import ast
     import builtins
     import io
@@ -42,7 +45,16 @@ def _toolrl_harness(program, spec):
     digest = _toolrl_digest  # sent beside this function
     sleep = time.sleep
     listdir, dup, dup2, lseek, memfd, close = os.listdir, os.dup, os.dup2, os.lseek, os.memfd_create, os.close
-    nonce = read(0, 256).decode().strip()
+    # The nonce's line, then the tests: on stdin, never in this script's text
+    chunks = []
+    while True:
+        chunk = read(0, 1 << 20)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    nonce, _, spec = b"".join(chunks).decode().partition("\n")
+    nonce = nonce.strip()
+    spec = json.loads(spec)
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)  # fd 0 again: input() sees EOF, never the nonce
     report_fd = dup(1)  # reports go here; fd 1 itself is the program's (stdio tasks capture it)
@@ -201,7 +213,21 @@ def _toolrl_harness(program, spec):
         report(-1, False, "syntax")
         exit_(0)
     if kind == "assert":
-        tests = []  # compiled before the program runs, which cannot touch `ast` or `compile` by then
+        # The program runs in a process of its own (the companion, sent beside), started fresh: this
+        # process holds the nonce, the report fd and the tests, and no program code ever runs in it.
+        import ctypes
+        import socket
+
+        if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: no reading our memory
+            report(-1, False, "infra: could not make the harness non-dumpable")
+            exit_(0)
+        program_path = list(sys.path)
+        # What the tests import comes from the installation, never from a file the program wrote
+        here = os.path.realpath(os.getcwd())
+        sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != here
+                       and not os.path.realpath(p).startswith(here + os.sep)]
+        sys.path_importer_cache.clear()
+        tests = []
         for test in spec["tests"]:
             try:
                 tests.append(compile_test(test, "<test>"))
@@ -212,48 +238,199 @@ def _toolrl_harness(program, spec):
         except BaseException as exc:
             report(-1, False, type(exc).__name__)
             exit_(0)
-        # The tests now exist only as code. As text they were readable by the program: this whole
-        # script sits in linecache (the executor keeps it for tracebacks), so a program could parse
-        # the asserts and answer each by lookup (found in review: 143 of 164 HumanEval tasks).
         spec.clear()
         linecache.clearcache()
-        ns = {"__name__": "__main__", "__builtins__": builtins}
-        sys.stdout = sys.stderr = io.StringIO()
+
+        class ProgramError(Exception):
+            """The program's process raised something the tests cannot see as a builtin, exited or
+            sent what is not plain data."""
+
+        class Fatal(Exception):
+            pass
+
+        class Handle:
+            """A function or object of the program's: every use is a request to its process."""
+            __slots__ = ("_ref", "_gen")
+
+            def __init__(self, ref_, gen):
+                object.__setattr__(self, "_ref", ref_)
+                object.__setattr__(self, "_gen", gen)
+
+            def _wire(self):
+                if self._ref[0] == "h" and self._gen != comp.gen:
+                    raise ProgramError("an object of an earlier run of the program")
+                return list(self._ref)
+
+            def __call__(self, *args, **kwargs):
+                return comp.ask(["call", self._wire(), to_wire(list(args), [1 << 22]), to_wire(kwargs, [1 << 22])])
+
+            def __getattr__(self, name):
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return comp.ask(["attr", self._wire(), name])
+
+            def __getitem__(self, key):
+                return comp.ask(["item", self._wire(), to_wire(key, [1 << 22])])
+
+            def __contains__(self, x):
+                return expect(comp.ask(["contains", self._wire(), to_wire(x, [1 << 22])]), bool)
+
+            def __len__(self):
+                return expect(comp.ask(["len", self._wire()]), int)
+
+            def __iter__(self):
+                return iter(expect(comp.ask(["list", self._wire()]), list))
+
+            def __str__(self):
+                return expect(comp.ask(["str", self._wire()]), str)
+
+            def __repr__(self):
+                return "<the program's object>"
+
+        def expect(v, t):
+            if type(v) is not t:
+                raise TypeError(f"the program's object gave {type(v).__name__}, not {t.__name__}")
+            return v
+
+        def ref(v):
+            if type(v) is Handle:
+                return v._wire()
+            raise TypeError(f"a test passed {type(v).__name__} to the program: only plain data and its objects pass")
+
+        def deref(x):
+            if x[0] == "h" and type(x[1]) is int:
+                return Handle(("h", x[1]), comp.gen)
+            raise TypeError("malformed value")
+
+        to_wire, from_wire, send, recv = _toolrl_codec(ref, deref, ast.literal_eval)
+        exceptions = {k: v for k, v in real_builtins.items() if isinstance(v, type) and issubclass(v, Exception)}
+
+        class Companion:
+            def __init__(self):
+                self.pid, self.fd, self.gen = None, None, 0
+
+            def start(self):
+                """A fresh interpreter that runs the program: ("ready", its names) or ("raised", why)."""
+                self.gen += 1
+                mine, theirs = socket.socketpair()
+                self.pid = os.fork()
+                if self.pid == 0:
+                    try:
+                        null = os.open(os.devnull, os.O_RDWR)
+                        for target in (0, 1, 2):  # no stdin (the nonce), no executor output
+                            os.dup2(null, target)
+                        os.dup2(theirs.fileno(), 3)
+                        os.closerange(4, 1 << 16)
+                        os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", companion])
+                    finally:
+                        exit_(127)
+                theirs.close()
+                self.sock = mine
+                self.fd = mine.fileno()
+                first = recv(self.fd)
+                if first != ["boot"]:  # exec failed, or it could not drop its capabilities
+                    raise Fatal(first[1] if type(first) is list and len(first) == 2 and first[0] == "fatal"
+                                else "the program's process did not start")
+                send(self.fd, {"program": program, "path": program_path})
+                return self.answer()
+
+            def stop(self):
+                if self.pid:
+                    try:
+                        os.kill(self.pid, signal.SIGKILL)
+                        os.waitpid(self.pid, 0)
+                    except OSError:
+                        pass
+                    self.sock.close()
+                self.pid = self.fd = None
+
+            def answer(self):
+                """("ok", value), ("raised", exception name) or ("ready", names)."""
+                msg = recv(self.fd)
+                if type(msg) is not list or len(msg) != 2:
+                    raise ProgramError("the program's process exited" if msg is None else "a malformed reply")
+                if msg[0] == "e" and type(msg[1]) is str:
+                    return "raised", msg[1]
+                if msg[0] == "ok":
+                    return "ok", from_wire(msg[1], [1 << 22])
+                if msg[0] == "ready" and type(msg[1]) is dict:
+                    return "ready", msg[1]
+                raise ProgramError("a malformed reply")
+
+            def ask(self, msg):
+                if self.pid is None:  # its last run timed out or exited: a fresh one for this test
+                    kind, value = self.start()
+                    if kind != "ready":
+                        raise ProgramError(f"the program raised {value} when run again")
+                try:
+                    send(self.fd, msg)
+                    kind, value = self.answer()
+                except BaseException:  # the test's time ran out mid-call, or the process is gone: spent
+                    self.stop()
+                    raise
+                if kind == "raised":
+                    raise exceptions.get(value, ProgramError)(f"raised by the program: {value}")
+                if kind != "ok":
+                    self.stop()
+                    raise ProgramError("a malformed reply")
+                return value
+
+        comp = Companion()
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
-            run(compiled, ns, timeout)
-        except BaseException as exc:  # SystemExit included: a program that exits defines nothing more
-            report(-1, False, type(exc).__name__)
+            kind, names = comp.start()
+        except Fatal as exc:
+            kind, names = "infra", "infra: " + str(exc)
+        except ProgramError:
+            kind, names = "raised", "exited"
+        except BaseException as exc:  # Timeout
+            kind, names = "raised", type(exc).__name__
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if kind != "ready":  # a program that raised or exited defines nothing more
+            report(-1, False, names if type(names) is str else "a malformed reply")
+            comp.stop()
             exit_(0)
-        # What the setup and the tests see: a copy of the program's namespace. The program's own
-        # functions keep `ns` as their globals, so what they rebind there (the checker, the function
-        # under test) never reaches the tests (found in review: a first call that unhooked the
-        # checker passed every later test).
-        base = dict(ns, __harness_checked__=checked)
+        # What the setup and the tests see: the program's names as handles to its process, its plain
+        # values as copies, its modules as ours (only already loaded or standard ones: importing
+        # another would run a file the program may have written)
+        base = {"__name__": "__main__", "__builtins__": builtins, "__harness_checked__": checked}
+        for k, desc in names.items():
+            if type(desc) is not list or not desc or type(k) is not str:
+                continue
+            if desc[0] == "m" and type(desc[1]) is str:
+                mod = sys.modules.get(desc[1])
+                if mod is None and desc[1].partition(".")[0] in sys.stdlib_module_names:
+                    try:
+                        mod = __import__(desc[1], fromlist=["_"])
+                    except BaseException:
+                        mod = None
+                base[k] = mod if mod is not None else Handle(("g", k), 0)
+            elif desc[0] == "v" and len(desc) == 2:
+                try:
+                    base[k] = from_wire(desc[1], [1 << 22])
+                except BaseException:
+                    base[k] = Handle(("g", k), 0)
+            else:
+                base[k] = Handle(("g", k), 0)
         if setup is not None:
             try:
                 run(setup, base, timeout)
             except BaseException as exc:
                 report(-1, False, type(exc).__name__)
+                comp.stop()
                 exit_(0)
-        # Everything callable that the program made is called through `guard` (its result must be
-        # plain data): functions, and callable instances and partials, which agreed with anything
-        # through arithmetic (`abs(candidate(x) - y) < 1e-6`). Classes (tests build instances of a
-        # program's class) and what the setup defined are left as they are.
-        for k, v in ns.items():
-            if base.get(k) is v and callable(v) and not isinstance(v, type) and not k.startswith("__"):
-                base[k] = guard(v)
         if entry:
             if entry not in base:
                 report(-1, False, "no " + entry)
+                comp.stop()
                 exit_(0)
             base["candidate"] = base[entry]
-        # The tests see the real builtins and modules: a program's `def set(...)`, `def abs(...)` or
-        # `math = ...` must not answer for them (the function under test keeps its name)
+        # The tests see the real builtins: a program's `def set(...)` or `def abs(...)` must not answer
+        # for them (the function under test keeps its name)
         for k in [k for k in base if k in real_builtins and k != entry and not k.startswith("__")]:
             del base[k]
-        for n, m, _ in snap:
-            if n in base and base[n] is not m:
-                base[n] = m
         for i, test in enumerate(tests):
             if isinstance(test, BaseException):
                 report(i, False, type(test).__name__)
@@ -263,6 +440,7 @@ def _toolrl_harness(program, spec):
                 report(i, True)
             except BaseException as exc:
                 report(i, False, type(exc).__name__)
+        comp.stop()
     elif kind == "stdio":
         devnull_fd = dup(0)
         for i, text in enumerate(spec["inputs"]):

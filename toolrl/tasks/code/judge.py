@@ -20,9 +20,12 @@ whatever made it: a class, a callable instance, a partial), not by its own `set`
 by a thread or a signal handler that patches things between the harness's steps (a thread left
 running refuses the run; handlers and interval timers are reset), and not by catching a test's
 exception (the harness runs each test). For `stdio` and `call` tasks the expected outputs never
-enter the sandbox at all. Out of scope, for `assert` tasks: a program that walks the interpreter's
-frames or memory to find the nonce or the harness's objects (tests/tasks/code/test_code_rewards.py
-lists every attack that is checked).
+enter the sandbox at all. For `assert` tasks, whose tests hold the expected values, the program
+runs in a fresh interpreter of its own (toolrl.tasks.code.companion): the tests and the nonce come
+on the harness's stdin, never in the code, and the program's process holds no descriptor of the
+executor's output and cannot read the harness's memory, so walking frames, `gc.get_objects()` or
+/proc finds neither. The tests call into it and get plain data back, or handles to its objects.
+tests/tasks/code/test_code_rewards.py lists every attack that is checked.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from toolrl.executor.api import ExecRequest, ExecResult
 from toolrl.executor.client import ExecutorError
 from toolrl.executor.forkserver.capture import MARKER
 from toolrl.format import extract_code
+from toolrl.tasks.code.companion import _toolrl_codec, _toolrl_companion
 from toolrl.tasks.code.harness import _toolrl_digest, _toolrl_harness
 
 # ---------------------------------------------------------------------------------------------
@@ -95,19 +99,22 @@ def syntax_ok(code: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The harness (toolrl.tasks.code.harness runs inside the executor)
 
-# what the executor runs: the two functions alone
-HARNESS = "\n" + inspect.getsource(_toolrl_digest) + "\n\n" + inspect.getsource(_toolrl_harness)
+# what the executor runs: these functions alone; the companion is what the harness starts for the program
+HARNESS = "\n\n".join(inspect.getsource(f) for f in (_toolrl_digest, _toolrl_codec, _toolrl_harness))
+COMPANION = "\n\n".join(inspect.getsource(f) for f in (_toolrl_codec, _toolrl_companion)) + "\n_toolrl_companion(3)\n"
 
 
-def build_harness(program: str, spec: TestSpec, per_test_timeout_s: float) -> str:
-    """The code sent to the executor: the harness, then the call with the program and the tests.
-    Expected outputs of stdio/call tasks are left out: they stay on this side."""
+def build_harness(program: str, spec: TestSpec, per_test_timeout_s: float, nonce: str) -> tuple[str, str]:
+    """What is sent to the executor: the code (the harness, then its call with the program) and the
+    stdin (the nonce's line, then the tests). The tests never appear in the code, which the program's
+    process could read. Expected outputs of stdio/call tasks are left out: they stay on this side."""
     inner = {"kind": spec.kind, "per_test_timeout_s": per_test_timeout_s}
     if spec.kind == "assert":
         inner.update(tests=spec.tests, setup=spec.setup, entry_point=spec.entry_point)
     else:
         inner.update(inputs=spec.inputs, fn_name=spec.fn_name)
-    return f"{HARNESS}\n{_toolrl_harness.__name__}({program!r}, {inner!r})\n"
+    code = f"{HARNESS}\n\n{_toolrl_harness.__name__}({program!r}, {COMPANION!r})\n"
+    return code, nonce + "\n" + json.dumps(inner)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,6 +196,11 @@ def _same(got, want) -> bool:
     return got == want
 
 
+class HarnessFailed(ExecutorError):
+    """The harness could not start the program's own process (toolrl.tasks.code.companion): the
+    sandbox's failure, not the program's, so the sample is unscored, never 0."""
+
+
 class ReportsCut(ExecutorError):
     """The executor's output cap (executor.max_output_bytes, head and tail kept) cut the reports of
     a run with many tests: what passed is unknown, so the sample is unscored, never 0."""
@@ -209,6 +221,8 @@ def judge(stdout: str, status: str, nonce: str, spec: TestSpec, truncated: bool 
             continue  # cut by the executor's output limit; only the harness knows the nonce
         if i == -1:
             detail = str(payload)
+            if detail.startswith("infra: "):
+                raise HarnessFailed(f"the test harness could not run the program: {detail[len('infra: '):]}")
             continue
         if not isinstance(i, int) or not 0 <= i < spec.total or i in seen:
             return TestResult(0, spec.total, status, "duplicate or unknown test index")
@@ -277,9 +291,8 @@ def _requests(programs: list[str | None], specs: list[TestSpec], per_test_timeou
         else:
             nonce = new_nonce()
             budget = min(max_timeout_s, per_test_timeout_s * (spec.total + 1) + 1.0)
-            todo.append((len(results), spec, nonce,
-                         ExecRequest(code=build_harness(program, spec, per_test_timeout_s), timeout_s=budget,
-                                     stdin=nonce + "\n")))
+            code, stdin = build_harness(program, spec, per_test_timeout_s, nonce)
+            todo.append((len(results), spec, nonce, ExecRequest(code=code, timeout_s=budget, stdin=stdin)))
             results.append(None)
     return todo, results
 
