@@ -17,7 +17,7 @@ def test_the_harness_sent_is_the_functions_source_and_needs_nothing_from_its_mod
     sources = [inspect.getsource(f) for f in (harness._toolrl_digest, companion._toolrl_codec, harness._toolrl_harness)]
     assert HARNESS == "\n\n".join(sources)
     assert COMPANION.startswith(inspect.getsource(companion._toolrl_codec)) and COMPANION.endswith(
-        inspect.getsource(companion._toolrl_companion) + "\n_toolrl_companion(3)\n")
+        inspect.getsource(companion._toolrl_companion) + "\n_toolrl_companion(3, 4)\n")
     # self-contained: no toolrl inside, and the runs below are `python -c` of this source alone
     for text in (HARNESS, COMPANION):
         assert "toolrl" not in re.sub(r"_toolrl_(harness|digest|codec|companion)", "", text)

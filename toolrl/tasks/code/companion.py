@@ -1,6 +1,6 @@
 """The program's own process for `assert` tasks: the harness (toolrl.tasks.code.harness) keeps the
 tests and the nonce, and the program runs here, in a fresh interpreter the harness starts with
-`python -I -S -c`, and answers the harness's calls.
+`python -I -S -c`, and answers the harness's calls (requests on fd 3, answers on fd 4).
 
 Why a fresh interpreter and not a fork: everything the executor handed the runner (the job, its
 stdin with the nonce and the tests) went through the runner's memory, where a program that walks
@@ -177,7 +177,7 @@ def _toolrl_codec(ref, deref, parse):
     return encode, decode, send, recv
 
 
-def _toolrl_companion(fd):
+def _toolrl_companion(rfd, wfd):
     """Runs the program it is sent, then answers the harness: call, attribute, item, len, list,
     str, contains, each on a function or object of the program's. Results go back as plain data,
     anything else as a handle the harness can only pass back here."""
@@ -221,16 +221,16 @@ def _toolrl_companion(fd):
         if libc.capset(header, data) != 0 or any(
                 int(ln.split()[1], 16) for ln in open("/proc/self/status").read().splitlines()
                 if ln.startswith(("CapEff:", "CapPrm:"))):
-            send(fd, ["fatal", "could not drop its capabilities"])
+            send(wfd, ["fatal", "could not drop its capabilities"])
             os._exit(3)
-    send(fd, ["boot"])
-    hello = recv(fd)
+    send(wfd, ["boot"])
+    hello = recv(rfd)
     sys.path[:] = hello["path"]
     ns = {"__name__": "__main__", "__builtins__": builtins}
     try:
         exec(compile(hello["program"], "<program>", "exec", dont_inherit=True), ns)
     except BaseException as exc:  # SystemExit included: a program that exits defines nothing more
-        send(fd, ["e", type(exc).__name__])
+        send(wfd, ["e", type(exc).__name__])
         os._exit(0)
     names, budget = {}, [100_000]
     for k, v in list(ns.items()):
@@ -243,9 +243,9 @@ def _toolrl_companion(fd):
             names[k] = ["v", plain_encode(v, budget)]
         except Exception:
             names[k] = ["g"]
-    send(fd, ["ready", names])
+    send(wfd, ["ready", names])
     while True:
-        msg = recv(fd)
+        msg = recv(rfd)
         if msg is None:
             os._exit(0)
         try:
@@ -269,4 +269,4 @@ def _toolrl_companion(fd):
             reply = ["ok", encode(out, [1 << 22])]
         except BaseException as exc:
             reply = ["e", type(exc).__name__]
-        send(fd, reply)
+        send(wfd, reply)

@@ -216,7 +216,7 @@ def _toolrl_harness(program, companion):
         # The program runs in a process of its own (the companion, sent beside), started fresh: this
         # process holds the nonce, the report fd and the tests, and no program code ever runs in it.
         import ctypes
-        import socket
+        import fcntl
 
         if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: no reading our memory
             report(-1, False, "infra: could not make the harness non-dumpable")
@@ -307,31 +307,32 @@ def _toolrl_harness(program, companion):
 
         class Companion:
             def __init__(self):
-                self.pid, self.fd, self.gen = None, None, 0
+                self.pid, self.rfd, self.wfd, self.gen = None, None, None, 0
 
             def start(self):
                 """A fresh interpreter that runs the program: ("ready", its names) or ("raised", why)."""
                 self.gen += 1
-                mine, theirs = socket.socketpair()
+                (to_r, self.wfd), (self.rfd, from_w) = os.pipe(), os.pipe()  # pipes: no socket import
                 self.pid = os.fork()
                 if self.pid == 0:
                     try:
+                        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (to_r, from_w)]
                         null = os.open(os.devnull, os.O_RDWR)
                         for target in (0, 1, 2):  # no stdin (the nonce), no executor output
                             os.dup2(null, target)
-                        os.dup2(theirs.fileno(), 3)
-                        os.closerange(4, 1 << 16)
+                        os.dup2(high[0], 3)
+                        os.dup2(high[1], 4)
+                        os.closerange(5, 1 << 16)
                         os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", companion])
                     finally:
                         exit_(127)
-                theirs.close()
-                self.sock = mine
-                self.fd = mine.fileno()
-                first = recv(self.fd)
+                close(to_r)
+                close(from_w)
+                first = recv(self.rfd)
                 if first != ["boot"]:  # exec failed, or it could not drop its capabilities
                     raise Fatal(first[1] if type(first) is list and len(first) == 2 and first[0] == "fatal"
                                 else "the program's process did not start")
-                send(self.fd, {"program": program, "path": program_path})
+                send(self.wfd, {"program": program, "path": program_path})
                 return self.answer()
 
             def stop(self):
@@ -341,12 +342,14 @@ def _toolrl_harness(program, companion):
                         os.waitpid(self.pid, 0)
                     except OSError:
                         pass
-                    self.sock.close()
-                self.pid = self.fd = None
+                for fd in (self.rfd, self.wfd):
+                    if fd is not None:
+                        close(fd)
+                self.pid = self.rfd = self.wfd = None
 
             def answer(self):
                 """("ok", value), ("raised", exception name) or ("ready", names)."""
-                msg = recv(self.fd)
+                msg = recv(self.rfd)
                 if type(msg) is not list or len(msg) != 2:
                     raise ProgramError("the program's process exited" if msg is None else "a malformed reply")
                 if msg[0] == "e" and type(msg[1]) is str:
@@ -363,7 +366,7 @@ def _toolrl_harness(program, companion):
                     if kind != "ready":
                         raise ProgramError(f"the program raised {value} when run again")
                 try:
-                    send(self.fd, msg)
+                    send(self.wfd, msg)
                     kind, value = self.answer()
                 except BaseException:  # the test's time ran out mid-call, or the process is gone: spent
                     self.stop()

@@ -101,7 +101,8 @@ def syntax_ok(code: str) -> bool:
 
 # what the executor runs: these functions alone; the companion is what the harness starts for the program
 HARNESS = "\n\n".join(inspect.getsource(f) for f in (_toolrl_digest, _toolrl_codec, _toolrl_harness))
-COMPANION = "\n\n".join(inspect.getsource(f) for f in (_toolrl_codec, _toolrl_companion)) + "\n_toolrl_companion(3)\n"
+COMPANION = ("\n\n".join(inspect.getsource(f) for f in (_toolrl_codec, _toolrl_companion))
+             + "\n_toolrl_companion(3, 4)\n")
 
 
 def build_harness(program: str, spec: TestSpec, per_test_timeout_s: float, nonce: str) -> tuple[str, str]:
