@@ -28,11 +28,12 @@ def test_the_harness_sent_is_the_functions_source_and_needs_nothing_from_its_mod
         {"kind": "assert", "per_test_timeout_s": 1.0, "tests": ["assert x == 1"], "setup": "", "entry_point": None})
 
 
-def run_plain(program: str, spec: TestSpec):
+def run_plain(program: str, spec: TestSpec, cwd=None):
     """The harness in a plain interpreter (no sandbox), judged as the executor's output would be."""
     nonce = new_nonce()
     code, stdin = build_harness(program, spec, 2.0, nonce)
-    p = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, text=True, timeout=60,
+                       cwd=cwd)
     return judge(p.stdout, "ok", nonce, spec)
 
 
@@ -58,3 +59,17 @@ def test_the_harness_reports_what_the_judge_reads(program, spec, passed):
 def test_the_program_cannot_read_the_nonce_from_stdin():
     prog = "import sys\ndata = sys.stdin.read()\ndef f():\n    return data\n"
     assert run_plain(prog, TestSpec("call", fn_name="f", inputs=[[]], outputs=[""])).passed == 1  # stdin was empty
+
+
+def test_a_module_the_program_writes_is_never_what_the_tests_import(tmp_path):
+    """`python -c` (like the executor's runner) has the working directory on its import path: a test
+    that imports a standard module not yet loaded must not find a file the program wrote there, which,
+    run in the harness, would find the nonce in its frames and report every test passed."""
+    forger = ("import sys, os\nf = sys._getframe()\nwhile f is not None and 'nonce' not in f.f_locals:\n"
+              "    f = f.f_back\nif f is not None:\n    n, fd = f.f_locals['nonce'], f.f_locals['report_fd']\n"
+              "    for i in range(2):\n        os.write(fd, ('\\n%s [%d, true, null]\\n' % (n, i)).encode())\n"
+              "    os._exit(0)\n")
+    program = f"open('colorsys.py', 'w').write({forger!r})\ndef add(a, b):\n    return -99\n"
+    spec = TestSpec("assert", tests=["import colorsys\nassert add(1, 2) == 3", "assert add(2, 2) == 4"])
+    assert run_plain(program, spec, cwd=tmp_path).passed == 0
+    assert (tmp_path / "colorsys.py").exists()  # the program did write it
