@@ -48,7 +48,8 @@ demo: install
 # torch thread, keeps the three whole-system files together on one process and hands out the
 # costliest files first. On the 2-core AMD EPYC (avx2), 2026-11-28: 22:39 (25:34 before those
 # three changes, 33:52 with everything serial).
-PYTEST := $(PY) -m pytest -q -ra
+# --durations: the suite sits near CI's 30-minute bar; each run's log names what to trim first
+PYTEST := $(PY) -m pytest -q -ra --durations=15
 PARALLEL := -n 2 --dist loadfile
 test: install
 	$(PYTEST) $(PARALLEL) -m "not serial"; s=$$?; $(PYTEST) -m serial || s=1; exit $$s

@@ -135,6 +135,42 @@ def test_no_attack_passes_a_test(client, attack):
     assert score(client, [ATTACKS[attack]], ADD, per_test_timeout_s=1.0) == [0]
 
 
+# A program that speaks the companion's protocol itself (fd 4 answers): names of the harness's own in
+# its list of names, and True for every call
+SPEAKER = (
+    "import os\ndef s(o):\n    b = b'r' + repr(o).encode()\n    os.write(4, len(b).to_bytes(4, 'big') + b)\n"
+    "s(['ready', {NAMES}])\nwhile True:\n    h = os.read(3, 4)\n    if len(h) < 4:\n        os._exit(0)\n"
+    "    n, d = int.from_bytes(h, 'big'), b''\n    while len(d) < n:\n        d += os.read(3, n - len(d))\n"
+    "    s(['ok', ['B', 1]])\n")
+
+
+def test_review_attacks_of_2026_11_29_eighth_pass_no_test_and_honest_twins_pass_all(client, tmp_path):
+    """What the review of the companion found: a program's list of names replacing the harness's
+    checker or builtins, a module the harness would import for it (unittest.__main__ runs discovery in
+    the working directory), a result object whose methods agree with anything, a StopIteration that
+    ends `all(map(...))` early, and exception names that would pass for the harness's own failure
+    or crowd the output cap (the sample must be scored 0, never left unscored)."""
+    names = ("{'__harness_checked__': ['g'], 'add': ['g']}", "{'__builtins__': ['g'], 'add': ['g']}")
+    assert score(client, [SPEAKER.replace("{NAMES}", n) for n in names], ADD) == [0, 0]
+    forger = ("import sys, os\nf = sys._getframe()\nwhile f is not None and 'nonce' not in f.f_locals:\n"
+              "    f = f.f_back\nif f is not None:\n    n, fd = f.f_locals['nonce'], f.f_locals['report_fd']\n"
+              "    for i in range(3):\n        os.write(fd, ('\\n%s [%d, true, null]\\n' % (n, i)).encode())\n"
+              "    os._exit(0)\n")  # what discovery would import, and run, in the harness
+    unittest_main = (f"open('test_x.py', 'w').write({forger!r})\nimport types\n"
+                     "m = types.ModuleType('unittest.__main__')\ndef add(a, b):\n    return -99\n")
+    assert score(client, [unittest_main, GOOD], ADD) == [0, 3]
+    agrees = TestSpec("assert", tests=["assert f('abc').startswith('zz')", "assert all(map(f, [1, 2]))"])
+    liar = ("class S:\n    def startswith(self, x):\n        return True\n"
+            "def f(x):\n    if x in (1, 2):\n        raise StopIteration\n    return S()\n")
+    honest = "def f(x):\n    return 'zzz' if x == 'abc' else True\n"
+    assert score(client, [liar, honest], agrees) == [0, 2]
+    for name in ("infra: x", "y" * 20_000):
+        raiser = f"raise type({name!r}, (Exception,), {{}})()\n"
+        call = TestSpec("call", fn_name="add", inputs=[[1, 2]], outputs=[3])
+        res = run_tests(client, [raiser, raiser], [ADD, call])
+        assert [(r.passed, r.detail[:10]) for r in res] == [(0, name[:10])] * 2
+
+
 def test_without_per_slot_uids_the_program_still_cannot_read_the_harness(tmp_path):
     """Runners that stay root (executor.disable_isolation uid) hold CAP_SYS_PTRACE: the program's
     process drops every capability before it runs, so the harness's memory stays closed."""

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from toolrl.tasks.code import companion, harness
-from toolrl.tasks.code.judge import COMPANION, HARNESS, TestSpec, build_harness, judge, new_nonce
+from toolrl.tasks.code.judge import COMPANION, HARNESS, HarnessFailed, TestSpec, build_harness, judge, new_nonce
 
 
 def test_the_harness_sent_is_the_functions_source_and_needs_nothing_from_its_module():
@@ -28,10 +28,11 @@ def test_the_harness_sent_is_the_functions_source_and_needs_nothing_from_its_mod
         {"kind": "assert", "per_test_timeout_s": 1.0, "tests": ["assert x == 1"], "setup": "", "entry_point": None})
 
 
-def run_plain(program: str, spec: TestSpec, cwd=None):
+def run_plain(program: str, spec: TestSpec, cwd=None, prelude=""):
     """The harness in a plain interpreter (no sandbox), judged as the executor's output would be."""
     nonce = new_nonce()
     code, stdin = build_harness(program, spec, 2.0, nonce)
+    code = prelude + code
     p = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, text=True, timeout=60,
                        cwd=cwd)
     return judge(p.stdout, "ok", nonce, spec)
@@ -73,3 +74,10 @@ def test_a_module_the_program_writes_is_never_what_the_tests_import(tmp_path):
     spec = TestSpec("assert", tests=["import colorsys\nassert add(1, 2) == 3", "assert add(2, 2) == 4"])
     assert run_plain(program, spec, cwd=tmp_path).passed == 0
     assert (tmp_path / "colorsys.py").exists()  # the program did write it
+
+
+def test_a_program_process_that_cannot_start_is_the_sandboxs_failure_not_a_score():
+    """No interpreter to run the program in (here: sys.executable gone): HarnessFailed, which callers
+    leave unscored, never 0 passed."""
+    with pytest.raises(HarnessFailed, match="did not start"):
+        run_plain("def add(a, b):\n    return a + b\n", ADD, prelude="import sys\nsys.executable = '/nonexistent'\n")

@@ -16,7 +16,7 @@ nothing from toolrl.
 
 
 def _toolrl_codec(ref, deref, parse):
-    """Plain data over the harness's socket, both ways: tagged lists of strings and numbers, written
+    """Plain data over the harness's two pipes, both ways: tagged lists of strings and numbers, written
     with repr and read with `parse` (the harness: ast.literal_eval, which builds literals only: never
     pickle or eval on what the program sent; the companion: eval of the harness's trusted requests),
     or as JSON when large. Decoded values are plain Python types only. `ref(v)` encodes what is not
@@ -226,6 +226,11 @@ def _toolrl_companion(rfd, wfd):
     send(wfd, ["boot"])
     hello = recv(rfd)
     sys.path[:] = hello["path"]
+
+    def leave(code=None):  # exit() and quit() as site would give them (-S skips site)
+        raise SystemExit(code)
+
+    builtins.exit = builtins.quit = leave
     ns = {"__name__": "__main__", "__builtins__": builtins}
     try:
         exec(compile(hello["program"], "<program>", "exec", dont_inherit=True), ns)

@@ -136,6 +136,8 @@ def _toolrl_harness(program, companion):
         raise Timeout()
 
     def report(i, ok, payload=None):
+        if type(payload) is str:  # a program's exception name is its to choose: never past the cap
+            payload = payload[:200]
         line = encode([i, ok, payload])
         write(report_fd, ("\n" + nonce + " " + line + "\n").encode())
 
@@ -214,12 +216,16 @@ def _toolrl_harness(program, companion):
         exit_(0)
     if kind == "assert":
         # The program runs in a process of its own (the companion, sent beside), started fresh: this
-        # process holds the nonce, the report fd and the tests, and no program code ever runs in it.
-        import ctypes
-        import fcntl
+        # process holds the nonce, the report fd and the tests; it runs the tests and the setup, and
+        # imports nothing on the program's behalf.
+        try:
+            import ctypes
+            import fcntl
 
-        if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: no reading our memory
-            report(-1, False, "infra: could not make the harness non-dumpable")
+            if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: no reading our memory
+                raise OSError("prctl(PR_SET_DUMPABLE) failed")
+        except BaseException as exc:
+            report(-1, False, {"infra": f"could not make the harness non-dumpable: {exc}"})
             exit_(0)
         program_path = list(sys.path)
         # What the tests import comes from the installation, never from a file the program wrote
@@ -242,11 +248,11 @@ def _toolrl_harness(program, companion):
         linecache.clearcache()
 
         class ProgramError(Exception):
-            """The program's process raised something the tests cannot see as a builtin, exited or
-            sent what is not plain data."""
+            """The program raised what the tests cannot see as a builtin, exited, or sent what is
+            not plain data."""
 
         class Fatal(Exception):
-            pass
+            """The program's process could not be started: the sandbox's failure, not the program's."""
 
         class Handle:
             """A function or object of the program's: every use is a request to its process."""
@@ -262,7 +268,13 @@ def _toolrl_harness(program, companion):
                 return list(self._ref)
 
             def __call__(self, *args, **kwargs):
-                return comp.ask(["call", self._wire(), to_wire(list(args), [1 << 22]), to_wire(kwargs, [1 << 22])])
+                out = comp.ask(["call", self._wire(), to_wire(list(args), [1 << 22]), to_wire(kwargs, [1 << 22])])
+                # A function's result must be plain data, as in one process: an object of its own
+                # could answer `candidate(x).startswith(y)` with True. Calling a capitalised name (a
+                # class, by the tests' own convention: Pair(1, 2)) gives an object.
+                if self._ref[0] == "g" and not self._ref[1][:1].isupper() and not plain(out, [0]):
+                    raise NotPlain(f"{self._ref[1]} returned the program's object, not plain data")
+                return out
 
             def __getattr__(self, name):
                 if name.startswith("__"):
@@ -303,52 +315,88 @@ def _toolrl_harness(program, companion):
             raise TypeError("malformed value")
 
         to_wire, from_wire, send, recv = _toolrl_codec(ref, deref, ast.literal_eval)
-        exceptions = {k: v for k, v in real_builtins.items() if isinstance(v, type) and issubclass(v, Exception)}
+        # What the program raised, by name, as the builtin a test may expect; StopIteration would end
+        # an `all(map(candidate, xs))` early as if every item passed
+        exceptions = {k: v for k, v in real_builtins.items() if isinstance(v, type) and issubclass(v, Exception)
+                      and not issubclass(v, (StopIteration, StopAsyncIteration))}
+
+        def raised(name, message):
+            try:
+                return exceptions.get(name, ProgramError)(message)
+            except BaseException:  # one that needs more arguments (UnicodeDecodeError)
+                return ProgramError(message)
 
         class Companion:
             def __init__(self):
                 self.pid, self.rfd, self.wfd, self.gen = None, None, None, 0
 
             def start(self):
-                """A fresh interpreter that runs the program: ("ready", its names) or ("raised", why)."""
+                """A fresh interpreter that runs the program: ("ready", its names) or ("raised", why).
+                Fatal when it cannot start (then nothing of it is left)."""
                 self.gen += 1
-                (to_r, self.wfd), (self.rfd, from_w) = os.pipe(), os.pipe()  # pipes: no socket import
-                self.pid = os.fork()
-                if self.pid == 0:
-                    try:
-                        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (to_r, from_w)]
-                        null = os.open(os.devnull, os.O_RDWR)
-                        for target in (0, 1, 2):  # no stdin (the nonce), no executor output
-                            os.dup2(null, target)
-                        os.dup2(high[0], 3)
-                        os.dup2(high[1], 4)
-                        os.closerange(5, 1 << 16)
-                        os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", companion])
-                    finally:
-                        exit_(127)
-                close(to_r)
-                close(from_w)
-                first = recv(self.rfd)
+                fds = []
+                try:
+                    fds = [*os.pipe(), *os.pipe()]  # pipes: nothing more to import
+                    to_r, self.wfd, self.rfd, from_w = fds
+                    self.pid = os.fork()
+                    if self.pid == 0:
+                        try:
+                            os.setsid()  # its own group: stop() takes down what it forked too
+                            high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (to_r, from_w)]
+                            null = os.open(os.devnull, os.O_RDWR)
+                            for target in (0, 1, 2):  # no stdin (the nonce), no executor output
+                                os.dup2(null, target)
+                            os.dup2(high[0], 3)
+                            os.dup2(high[1], 4)
+                            os.closerange(5, 1 << 16)
+                            os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", companion])
+                        finally:
+                            exit_(127)
+                    close(to_r)
+                    close(from_w)
+                    fds = []
+                    first = recv(self.rfd)
+                except BaseException as exc:  # no pipe, no fork, no interpreter, or no boot in time
+                    for fd in fds:
+                        close(fd)
+                    self.stop()
+                    raise Fatal(f"the program's process did not start ({type(exc).__name__}: {exc})") from None
                 if first != ["boot"]:  # exec failed, or it could not drop its capabilities
+                    self.stop()
                     raise Fatal(first[1] if type(first) is list and len(first) == 2 and first[0] == "fatal"
-                                else "the program's process did not start")
-                send(self.wfd, {"program": program, "path": program_path})
-                return self.answer()
+                                and type(first[1]) is str else "the program's process did not start")
+                try:
+                    send(self.wfd, {"program": program, "path": program_path})
+                    return self.answer()
+                except BaseException:
+                    self.stop()
+                    raise
 
             def stop(self):
-                if self.pid:
-                    try:
-                        os.kill(self.pid, signal.SIGKILL)
-                        os.waitpid(self.pid, 0)
-                    except OSError:
-                        pass
-                for fd in (self.rfd, self.wfd):
-                    if fd is not None:
-                        close(fd)
-                self.pid = self.rfd = self.wfd = None
+                pid, fds = self.pid, (self.rfd, self.wfd)
+                self.pid = self.rfd = self.wfd = None  # first: an alarm below leaves nothing half done
+                blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+                try:
+                    if pid:
+                        try:
+                            os.killpg(pid, signal.SIGKILL)
+                        except OSError:
+                            pass
+                        try:
+                            os.waitpid(pid, 0)
+                        except OSError:
+                            pass
+                    for fd in fds:
+                        if fd is not None:
+                            try:
+                                close(fd)
+                            except OSError:
+                                pass
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
             def answer(self):
-                """("ok", value), ("raised", exception name) or ("ready", names)."""
+                """("ok", value), ("raised", (name, message)) or ("ready", names)."""
                 msg = recv(self.rfd)
                 if type(msg) is not list or len(msg) != 2:
                     raise ProgramError("the program's process exited" if msg is None else "a malformed reply")
@@ -361,22 +409,29 @@ def _toolrl_harness(program, companion):
                 raise ProgramError("a malformed reply")
 
             def ask(self, msg):
-                if self.pid is None:  # its last run timed out or exited: a fresh one for this test
-                    kind, value = self.start()
-                    if kind != "ready":
-                        raise ProgramError(f"the program raised {value} when run again")
                 try:
+                    if self.pid is None:  # its last run timed out or exited: a fresh one for this test
+                        kind, value = self.start()
+                        if kind != "ready":
+                            raise ProgramError(f"the program raised {value} when run again")
                     send(self.wfd, msg)
                     kind, value = self.answer()
+                except Fatal:
+                    raise
                 except BaseException:  # the test's time ran out mid-call, or the process is gone: spent
                     self.stop()
                     raise
                 if kind == "raised":
-                    raise exceptions.get(value, ProgramError)(f"raised by the program: {value}")
+                    raise raised(value, f"raised by the program: {value}")
                 if kind != "ok":
                     self.stop()
                     raise ProgramError("a malformed reply")
                 return value
+
+        def infra(exc):
+            report(-1, False, {"infra": str(exc)})
+            comp.stop()
+            exit_(0)
 
         comp = Companion()
         signal.signal(signal.SIGALRM, on_alarm)
@@ -384,10 +439,10 @@ def _toolrl_harness(program, companion):
         try:
             kind, names = comp.start()
         except Fatal as exc:
-            kind, names = "infra", "infra: " + str(exc)
+            infra(exc)
         except ProgramError:
             kind, names = "raised", "exited"
-        except BaseException as exc:  # Timeout
+        except BaseException as exc:  # Timeout while the program ran
             kind, names = "raised", type(exc).__name__
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
@@ -395,35 +450,23 @@ def _toolrl_harness(program, companion):
             report(-1, False, names if type(names) is str else "a malformed reply")
             comp.stop()
             exit_(0)
-        # What the setup and the tests see: the program's names as handles to its process, its plain
-        # values as copies, its modules as ours (only already loaded or standard ones: importing
-        # another would run a file the program may have written)
-        base = {"__name__": "__main__", "__builtins__": builtins, "__harness_checked__": checked}
+        # What the setup and the tests see: the program's public names as handles to its process,
+        # its plain values as copies, its modules as ours where we have loaded them already. Never
+        # a name of ours (`__builtins__`, the checker): the program chose this list.
+        base = {}
         for k, desc in names.items():
-            if type(desc) is not list or not desc or type(k) is not str:
+            if type(k) is not str or not k.isidentifier() or k.startswith("_") or type(desc) is not list:
                 continue
-            if desc[0] == "m" and type(desc[1]) is str:
-                mod = sys.modules.get(desc[1])
-                if mod is None and desc[1].partition(".")[0] in sys.stdlib_module_names:
-                    try:
-                        mod = __import__(desc[1], fromlist=["_"])
-                    except BaseException:
-                        mod = None
-                base[k] = mod if mod is not None else Handle(("g", k), 0)
-            elif desc[0] == "v" and len(desc) == 2:
+            loaded = sys.modules.get(desc[1]) if len(desc) == 2 and desc[0] == "m" and type(desc[1]) is str else None
+            if type(loaded) is type(os):
+                base[k] = loaded
+            elif len(desc) == 2 and desc[0] == "v":
                 try:
                     base[k] = from_wire(desc[1], [1 << 22])
                 except BaseException:
                     base[k] = Handle(("g", k), 0)
             else:
                 base[k] = Handle(("g", k), 0)
-        if setup is not None:
-            try:
-                run(setup, base, timeout)
-            except BaseException as exc:
-                report(-1, False, type(exc).__name__)
-                comp.stop()
-                exit_(0)
         if entry:
             if entry not in base:
                 report(-1, False, "no " + entry)
@@ -432,8 +475,18 @@ def _toolrl_harness(program, companion):
             base["candidate"] = base[entry]
         # The tests see the real builtins: a program's `def set(...)` or `def abs(...)` must not answer
         # for them (the function under test keeps its name)
-        for k in [k for k in base if k in real_builtins and k != entry and not k.startswith("__")]:
+        for k in [k for k in base if k in real_builtins and k != entry]:
             del base[k]
+        base.update(__name__="__main__", __builtins__=builtins, __harness_checked__=checked)
+        if setup is not None:
+            try:
+                run(setup, base, timeout)
+            except Fatal as exc:
+                infra(exc)
+            except BaseException as exc:
+                report(-1, False, type(exc).__name__)
+                comp.stop()
+                exit_(0)
         for i, test in enumerate(tests):
             if isinstance(test, BaseException):
                 report(i, False, type(test).__name__)
@@ -441,6 +494,8 @@ def _toolrl_harness(program, companion):
             try:
                 run(test, dict(base), timeout)
                 report(i, True)
+            except Fatal as exc:
+                infra(exc)
             except BaseException as exc:
                 report(i, False, type(exc).__name__)
         comp.stop()

@@ -221,9 +221,10 @@ def judge(stdout: str, status: str, nonce: str, spec: TestSpec, truncated: bool 
         except (ValueError, TypeError):
             continue  # cut by the executor's output limit; only the harness knows the nonce
         if i == -1:
+            # The harness's own failure comes as {"infra": why}: a shape no program-chosen name can take
+            if isinstance(payload, dict) and isinstance(payload.get("infra"), str):
+                raise HarnessFailed(f"the test harness could not run the program: {payload['infra']}")
             detail = str(payload)
-            if detail.startswith("infra: "):
-                raise HarnessFailed(f"the test harness could not run the program: {detail[len('infra: '):]}")
             continue
         if not isinstance(i, int) or not 0 <= i < spec.total or i in seen:
             return TestResult(0, spec.total, status, "duplicate or unknown test index")
