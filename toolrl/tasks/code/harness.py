@@ -251,8 +251,9 @@ def _toolrl_harness(program, companion):
             """The program raised what the tests cannot see as a builtin, exited, or sent what is
             not plain data."""
 
-        class Fatal(Exception):
-            """The program's process could not be started: the sandbox's failure, not the program's."""
+        class Fatal(BaseException):
+            """The program's process could not be started: the sandbox's failure, not the program's
+            (a BaseException: a test's own `except Exception` must not swallow it)."""
 
         class Handle:
             """A function or object of the program's: every use is a request to its process."""
