@@ -43,6 +43,15 @@ def test_honest_programs_score_by_the_fraction_passed(client):
     assert res[2].status == "no_code" and res[3].status == "syntax"
 
 
+def frame_forger(n: int) -> str:
+    """Code that, run inside the harness's process, walks up to its frame and reports tests 0..n-1
+    passed with its nonce and report fd: every attack that gets code into the harness ends here."""
+    return ("import sys, os\nf = sys._getframe()\nwhile f is not None and 'nonce' not in f.f_locals:\n"
+            "    f = f.f_back\nif f is not None:\n    n, fd = f.f_locals['nonce'], f.f_locals['report_fd']\n"
+            f"    for i in range({n}):\n        os.write(fd, ('\\n%s [%d, true, null]\\n' % (n, i)).encode())\n"
+            "    os._exit(0)\n")
+
+
 # Reads the tests' text out of the harness's memory and answers each by lookup
 PROC_ATTACK = (
     "import os, re\nT = {}\npid = os.getppid()\ntry:\n    maps = open('/proc/%d/maps' % pid).read().splitlines()\n"
@@ -112,10 +121,7 @@ ATTACKS = {
     # found in review (2026-11-29, eighth): the program ran in the harness's own process, so the
     # harness's frame gave the nonce and the report fd (every test passed), and the runner's memory
     # held the tests' text. Now it runs in a fresh interpreter of its own (companion.py).
-    "the harness's frame: its nonce and report fd": (
-        "import sys, os\nf = sys._getframe()\nwhile f is not None and 'nonce' not in f.f_locals:\n"
-        "    f = f.f_back\nn, fd = f.f_locals['nonce'], f.f_locals['report_fd']\n"
-        "for i in range(3):\n    os.write(fd, ('\\n%s [%d, true, null]\\n' % (n, i)).encode())\nos._exit(0)\n"),
+    "the harness's frame: its nonce and report fd": frame_forger(3),
     "the tests' text from memory (gc and frames)": (
         "import gc, re, sys\nT = {}\ndef _look(text):\n"
         "    for a, b, c in re.findall(r'add\\((-?\\d+), (-?\\d+)\\) == (-?\\d+)', text):\n"
@@ -152,11 +158,8 @@ def test_review_attacks_of_2026_11_29_eighth_pass_no_test_and_honest_twins_pass_
     or crowd the output cap (the sample must be scored 0, never left unscored)."""
     names = ("{'__harness_checked__': ['g'], 'add': ['g']}", "{'__builtins__': ['g'], 'add': ['g']}")
     assert score(client, [SPEAKER.replace("{NAMES}", n) for n in names], ADD) == [0, 0]
-    forger = ("import sys, os\nf = sys._getframe()\nwhile f is not None and 'nonce' not in f.f_locals:\n"
-              "    f = f.f_back\nif f is not None:\n    n, fd = f.f_locals['nonce'], f.f_locals['report_fd']\n"
-              "    for i in range(3):\n        os.write(fd, ('\\n%s [%d, true, null]\\n' % (n, i)).encode())\n"
-              "    os._exit(0)\n")  # what discovery would import, and run, in the harness
-    unittest_main = (f"open('test_x.py', 'w').write({forger!r})\nimport types\n"
+    # what discovery would import, and run, in the harness
+    unittest_main = (f"open('test_x.py', 'w').write({frame_forger(3)!r})\nimport types\n"
                      "m = types.ModuleType('unittest.__main__')\ndef add(a, b):\n    return -99\n")
     assert score(client, [unittest_main, GOOD], ADD) == [0, 3]
     agrees = TestSpec("assert", tests=["assert f('abc').startswith('zz')", "assert all(map(f, [1, 2]))"])

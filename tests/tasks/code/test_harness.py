@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from test_code_rewards import frame_forger  # tests/tasks/code/ is on sys.path (pytest prepends it)
 
 from toolrl.tasks.code import companion, harness
 from toolrl.tasks.code.judge import COMPANION, HARNESS, HarnessFailed, TestSpec, build_harness, judge, new_nonce
@@ -66,11 +67,7 @@ def test_a_module_the_program_writes_is_never_what_the_tests_import(tmp_path):
     """`python -c` (like the executor's runner) has the working directory on its import path: a test
     that imports a standard module not yet loaded must not find a file the program wrote there, which,
     run in the harness, would find the nonce in its frames and report every test passed."""
-    forger = ("import sys, os\nf = sys._getframe()\nwhile f is not None and 'nonce' not in f.f_locals:\n"
-              "    f = f.f_back\nif f is not None:\n    n, fd = f.f_locals['nonce'], f.f_locals['report_fd']\n"
-              "    for i in range(2):\n        os.write(fd, ('\\n%s [%d, true, null]\\n' % (n, i)).encode())\n"
-              "    os._exit(0)\n")
-    program = f"open('colorsys.py', 'w').write({forger!r})\ndef add(a, b):\n    return -99\n"
+    program = f"open('colorsys.py', 'w').write({frame_forger(2)!r})\ndef add(a, b):\n    return -99\n"
     spec = TestSpec("assert", tests=["import colorsys\nassert add(1, 2) == 3", "assert add(2, 2) == 4"])
     assert run_plain(program, spec, cwd=tmp_path).passed == 0
     assert (tmp_path / "colorsys.py").exists()  # the program did write it

@@ -210,17 +210,18 @@ def _toolrl_companion(rfd, wfd):
     # Root in a user namespace (the executor without a per-slot uid) holds CAP_SYS_PTRACE there,
     # which would read the harness's memory whatever its dumpable flag: drop every capability, and
     # the bounding set, so that executing a program again regains none.
-    status = open("/proc/self/status").read()
-    if any(int(ln.split()[1], 16) for ln in status.splitlines() if ln.startswith(("CapEff:", "CapPrm:"))):
+    def capable():
+        return any(int(ln.split()[1], 16) for ln in open("/proc/self/status").read().splitlines()
+                   if ln.startswith(("CapEff:", "CapPrm:")))
+
+    if capable():
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         for cap in range(64):
             libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
         header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # _LINUX_CAPABILITY_VERSION_3
-        if libc.capset(header, data) != 0 or any(
-                int(ln.split()[1], 16) for ln in open("/proc/self/status").read().splitlines()
-                if ln.startswith(("CapEff:", "CapPrm:"))):
+        if libc.capset(header, data) != 0 or capable():
             send(wfd, ["fatal", "could not drop its capabilities"])
             os._exit(3)
     send(wfd, ["boot"])

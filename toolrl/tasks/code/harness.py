@@ -335,10 +335,10 @@ def _toolrl_harness(program, companion):
                 """A fresh interpreter that runs the program: ("ready", its names) or ("raised", why).
                 Fatal when it cannot start (then nothing of it is left)."""
                 self.gen += 1
-                fds = []
+                to_r = from_w = None  # the companion's ends; ours are self.rfd and self.wfd (stop() closes them)
                 try:
-                    fds = [*os.pipe(), *os.pipe()]  # pipes: nothing more to import
-                    to_r, self.wfd, self.rfd, from_w = fds
+                    to_r, self.wfd = os.pipe()  # pipes: nothing more to import
+                    self.rfd, from_w = os.pipe()
                     self.pid = os.fork()
                     if self.pid == 0:
                         try:
@@ -355,11 +355,12 @@ def _toolrl_harness(program, companion):
                             exit_(127)
                     close(to_r)
                     close(from_w)
-                    fds = []
+                    to_r = from_w = None
                     first = recv(self.rfd)
                 except BaseException as exc:  # no pipe, no fork, no interpreter, or no boot in time
-                    for fd in fds:
-                        close(fd)
+                    for fd in (to_r, from_w):
+                        if fd is not None:
+                            close(fd)
                     self.stop()
                     raise Fatal(f"the program's process did not start ({type(exc).__name__}: {exc})") from None
                 if first != ["boot"]:  # exec failed, or it could not drop its capabilities
@@ -397,7 +398,7 @@ def _toolrl_harness(program, companion):
                     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
             def answer(self):
-                """("ok", value), ("raised", (name, message)) or ("ready", names)."""
+                """("ok", value), ("raised", the exception's name) or ("ready", names)."""
                 msg = recv(self.rfd)
                 if type(msg) is not list or len(msg) != 2:
                     raise ProgramError("the program's process exited" if msg is None else "a malformed reply")
