@@ -391,6 +391,31 @@ def test_every_humaneval_reference_passes_all_its_tests_and_a_wrong_program_none
     assert not any(r.passed == r.total for r in wrong)
 
 
+def test_what_mbpps_setup_builds_is_the_programs_to_take(tmp_path, client):
+    """MBPP's test_setup_code builds what its tests hand the program (task 927: a tree of a Node
+    class of its own). It runs in the program's process, right after the program, so the tree is
+    the program's object and crosses as a handle; in the tests' process it could not be passed at
+    all, and every answer scored 0. The test imports still run beside the tests."""
+    row = {"task_id": 927, "text": "Write a function to calculate the height of the given binary tree.",
+           "code": "def max_height(node):\n    if node is None:\n        return 0\n"
+                   "    return 1 + max(max_height(node.left), max_height(node.right))\n",
+           "test_list": ["assert max_height(root) == 3", "assert max_height(root1) == 5",
+                         "assert max_height(Node(4)) == 1", "assert math.floor(max_height(root) / 2) == 1"],
+           "test_imports": ["import math"],
+           "test_setup_code": "class Node:\n    def __init__(self, data):\n        self.data = data\n"
+                              "        self.left = None\n        self.right = None\n"
+                              "root = Node(1)\nroot.left = Node(2)\nroot.right = Node(3)\nroot.left.left = Node(4)\n"
+                              "root1 = Node(1)\nnode = root1\nfor i in range(4):\n"
+                              "    node.left = Node(i)\n    node = node.left\n"}
+    path = tmp_path / "mbpp.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    [problem] = load_mbpp(str(path))
+    spec = TestSpec.from_json(problem.answer)
+    assert spec.setup == "import math" and spec.program_setup == "import math\n" + row["test_setup_code"]
+    flat = "def max_height(node):\n    return 1 if node.left is None else 3\n"  # right on three of four
+    assert score(client, [problem.program, flat, "def max_height(node):\n    return node\n"], spec) == [4, 3, 0]
+
+
 def test_mbpp_and_apps_local_files_in_their_own_formats(client):
     mbpp = load_mbpp(str(FIX / "mbpp_sample.jsonl"))
     assert [p.id for p in mbpp] == ["mbpp:11", "mbpp:17", "mbpp:900"]

@@ -177,7 +177,8 @@ def test_mbpp_rows_become_problems_with_their_tests_and_setup(data):
     assert ps[0].question == (f"{MBPP[0]['text']}\nYour code should pass this test:\n{MBPP[0]['test_list'][0]}")
     assert [p.program for p in ps] == [r["code"] for r in MBPP]
     assert [spec(p).tests for p in ps] == [r["test_list"] for r in MBPP]  # the challenge tests are not here
-    assert [spec(p).setup for p in ps] == ["", "", "", "DATA = [1, 2, 3]"]
+    assert [spec(p).setup for p in ps] == ["", "", "", ""]
+    assert [spec(p).program_setup for p in ps] == ["", "", "", "DATA = [1, 2, 3]"]  # beside the program
     assert [p.meta for p in ps] == [{"source": "mbpp"},
                                     {"source": "mbpp", "challenge_tests": MBPP[1]["challenge_test_list"]},
                                     {"source": "mbpp"}, {"source": "mbpp"}]
@@ -189,6 +190,7 @@ def test_sanitized_mbpp_uses_prompt_and_runs_test_imports_first(data):
     assert [p.id for p in ps] == ["mbpp:2", "mbpp:139", "mbpp:17"]
     assert ps[1].question.startswith("Write a function to find the circumference of a circle.\n")
     assert [spec(p).setup for p in ps] == ["", "import math", ""]
+    assert [spec(p).program_setup for p in ps] == ["", "", ""]
     assert [len(spec(p).tests) for p in ps] == [1, 2, 1] and spec(ps[1]).tests == SANITIZED[1]["test_list"]
 
 

@@ -26,7 +26,8 @@ def test_the_harness_sent_is_the_functions_source_and_needs_nothing_from_its_mod
     assert code.startswith(HARNESS) and code.endswith(f"\n_toolrl_harness('x = 1', {COMPANION!r})\n")
     # the tests travel on stdin after the nonce's line, never in the code a program's process could read
     assert "assert x == 1" not in code and stdin == "N\n" + json.dumps(
-        {"kind": "assert", "per_test_timeout_s": 1.0, "tests": ["assert x == 1"], "setup": "", "entry_point": None})
+        {"kind": "assert", "per_test_timeout_s": 1.0, "tests": ["assert x == 1"], "setup": "", "program_setup": "",
+         "entry_point": None})
 
 
 def run_plain(program: str, spec: TestSpec, cwd=None, prelude=""):

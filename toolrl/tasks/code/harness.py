@@ -244,6 +244,7 @@ def _toolrl_harness(program, companion):
         except BaseException as exc:
             report(-1, False, type(exc).__name__)
             exit_(0)
+        program_setup = spec.get("program_setup") or ""  # runs beside the program, holds no expected value
         spec.clear()
         linecache.clearcache()
 
@@ -368,7 +369,7 @@ def _toolrl_harness(program, companion):
                     raise Fatal(first[1] if type(first) is list and len(first) == 2 and first[0] == "fatal"
                                 and type(first[1]) is str else "the program's process did not start")
                 try:
-                    send(self.wfd, {"program": program, "path": program_path})
+                    send(self.wfd, {"program": program, "setup": program_setup, "path": program_path})
                     return self.answer()
                 except BaseException:
                     self.stop()

@@ -55,7 +55,11 @@ class TestSpec:
     __test__ = False  # not a pytest class
     kind: Literal["assert", "stdio", "call"]
     tests: list[str] = field(default_factory=list)  # assert: one snippet per test
-    setup: str = ""  # assert: run once after the program (MBPP's test_setup_code)
+    setup: str = ""  # assert: run once by the tests, after the program (HumanEval's check, MBPP's test_imports)
+    # assert: run in the program's own process right after it (MBPP's test_setup_code), so that what
+    # it builds (a tree of its own Node class) is the program's to take. The program can read and
+    # change it: it must hold no expected value and no check.
+    program_setup: str = ""
     entry_point: str | None = None  # assert: bound to `candidate` (HumanEval)
     inputs: list = field(default_factory=list)  # stdio: stdin texts; call: argument lists
     outputs: list = field(default_factory=list)  # stdio: expected stdout; call: return values
@@ -111,7 +115,8 @@ def build_harness(program: str, spec: TestSpec, per_test_timeout_s: float, nonce
     process could read. Expected outputs of stdio/call tasks are left out: they stay on this side."""
     inner = {"kind": spec.kind, "per_test_timeout_s": per_test_timeout_s}
     if spec.kind == "assert":
-        inner.update(tests=spec.tests, setup=spec.setup, entry_point=spec.entry_point)
+        inner.update(tests=spec.tests, setup=spec.setup, program_setup=spec.program_setup,
+                     entry_point=spec.entry_point)
     else:
         inner.update(inputs=spec.inputs, fn_name=spec.fn_name)
     code = f"{HARNESS}\n\n{_toolrl_harness.__name__}({program!r}, {COMPANION!r})\n"

@@ -100,7 +100,8 @@ def _str(row: dict, name: str, where: str) -> str:
 def load_mbpp(path: str = HUB_MBPP, split: str | None = "train") -> list[Problem]:
     """MBPP rows as the hub publishes them: task_id, text, code, test_list, test_setup_code,
     challenge_test_list; or the sanitized configuration's task_id, prompt, code, test_list,
-    test_imports. A problem's tests are its test_list (test_imports and test_setup_code run first);
+    test_imports. A problem's tests are its test_list (test_imports run first; test_setup_code in the
+    program's process, after the program);
     challenge_test_list is kept in `meta["challenge_tests"]` and joins the tests of held-out
     problems only (`split`), never those trained on."""
     problems = []
@@ -112,10 +113,13 @@ def load_mbpp(path: str = HUB_MBPP, split: str | None = "train") -> list[Problem
         if not text:
             raise DataError(f"{where}: missing field 'text' (or 'prompt'): MBPP rows have task_id, text, code, "
                             f"test_list (this one has {', '.join(sorted(r))})")
-        setup = "\n".join(x for x in _str_list(r, "test_imports", where) + [_str(r, "test_setup_code", where)] if x)
+        imports = "\n".join(_str_list(r, "test_imports", where))
+        # test_setup_code builds what the tests hand the program (task 927: a tree of its own Node
+        # class), so it runs in the program's process, after the test imports it may use
+        made = _str(r, "test_setup_code", where)
         question = f"{text}\nYour code should pass this test:\n{tests[0]}"
-        spec = TestSpec("assert", tests=tests, setup=setup, entry_point=_builtin_named_target(_str(r, "code", where),
-                                                                                             tests))
+        spec = TestSpec("assert", tests=tests, setup=imports, program_setup="\n".join(x for x in (imports, made) if x)
+                        if made else "", entry_point=_builtin_named_target(_str(r, "code", where), tests))
         meta = {"source": "mbpp"}
         if challenge := _str_list(r, "challenge_test_list", where):
             meta["challenge_tests"] = challenge
