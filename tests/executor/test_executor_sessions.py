@@ -285,6 +285,25 @@ def test_delete(c):
     assert r.session_reset is False and "NameError" in r.stderr
 
 
+def test_a_restarted_executor_says_it_lost_a_continuing_session(tmp_path):
+    """launch.sh restarts an executor that died: the new one holds neither the session nor a
+    tombstone of it. A block the caller marks as continuing a session is then reset as the
+    executor's fault (its sample unscored); before, it ran in a fresh session as if nothing had been
+    lost, and the model's NameError was scored as its own. An unmarked block starts a session."""
+    with LocalExecutor(sets=["executor.workers=1"], log_path=tmp_path / "a.log") as ex:
+        port = ex.port  # the restarted one listens where the first did
+        with ExecutorClient(ex.url, timeout_s=60) as c:
+            assert c.execute("x = 6 * 7", session_id="rollout-1").status == "ok"
+    with LocalExecutor(port=port, sets=["executor.workers=1"], log_path=tmp_path / "b.log") as ex:
+        with ExecutorClient(ex.url, timeout_s=60) as c:
+            r = c.execute("print(x)", session_id="rollout-1", session_continues=True)
+            assert r.session_reset and r.executor_fault and "no record of the session" in r.session_note, r
+            r = c.execute("print(x)", session_id="rollout-1", session_continues=True)  # now it holds one
+            assert (r.session_reset, r.executor_fault) == (False, False) and "NameError" in r.stderr
+            r = c.execute("y = 1\nprint(y)", session_id="rollout-2")  # a first block: simply new
+            assert (r.status, r.stdout, r.session_reset, r.executor_fault) == ("ok", "1\n", False, False)
+
+
 def test_odd_session_ids(c):
     s = sid("worker/7:problem 12.3")
     c.execute("k = 'odd'", session_id=s)

@@ -17,7 +17,7 @@ TOK = load_tokenizer("smollm2-135m-instruct")
 class RunsPython:
     """The executor as the teacher uses it: runs the teacher's own program (never model output)."""
 
-    async def run(self, code, session_id):
+    async def run(self, code, session_id, continues=False):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(code, {})

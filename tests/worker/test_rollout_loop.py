@@ -178,16 +178,17 @@ def test_a_dead_executor_ends_the_sample_as_an_infrastructure_failure_not_a_hang
 
 
 def test_a_session_the_executor_lost_is_an_infrastructure_failure_one_its_code_lost_is_not():
-    """The executor's own result says whose doing a lost session was (executor_fault): evicted or
-    expired is not the model's, and its sample is not scored; its own time limit is."""
+    """The executor's own result says whose doing a lost session was (executor_fault): evicted,
+    expired or restarted is not the model's, and its sample is not scored; its own time limit is."""
     from toolrl.executor.api import ExecResult
 
     class Client:
         def __init__(self, fault):
-            self.fault, self.calls = fault, 0
+            self.fault, self.calls, self.continues = fault, 0, []
 
-        async def execute(self, code, timeout_s=None, session_id=None):
+        async def execute(self, code, timeout_s=None, session_id=None, session_continues=False):
             self.calls += 1
+            self.continues.append(session_continues)
             if self.calls == 1:
                 return ExecResult(status="ok", exit_code=0, stdout="", stderr="", truncated=False, wall_ms=1, cpu_ms=1)
             why = "by the executor: expired after 300 s idle" if self.fault else "the previous block hit its time limit"
@@ -197,7 +198,10 @@ def test_a_session_the_executor_lost_is_an_infrastructure_failure_one_its_code_l
 
     for fault in (True, False):
         script = Script([(prog("x = 6 * 7"), STOP_MARKER), (prog("print(x)"), STOP_MARKER), (boxed(42), None)])
-        r = run(script, ExecutorTool(Client(fault)))
+        client = Client(fault)
+        r = run(script, ExecutorTool(client))
+        # the second block continues the session: an executor that lost it (a restart) must say so
+        assert client.continues == [False, True]
         if fault:
             assert r.stop_reason == "tool_unavailable" and r.tool_calls[1].status == "unavailable"
             assert "expired" in r.tool_calls[1].output and len(script.segments) == 1  # never resumed
@@ -466,10 +470,10 @@ def test_a_slow_tool_call_holds_back_only_its_own_sample(tool):
     real, gate = tool(), asyncio.Event()
 
     class OneSlowTool:
-        async def run(self, code, session_id):
+        async def run(self, code, session_id, continues=False):
             if session_id.endswith(".0"):
                 await gate.wait()
-            return await real.run(code, session_id)
+            return await real.run(code, session_id, continues)
 
         async def end_session(self, session_id):
             await real.end_session(session_id)

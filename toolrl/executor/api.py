@@ -23,6 +23,10 @@ class ExecRequest(BaseModel):
     memory_mb: int | None = Field(None, ge=16)
     stdin: str | None = None  # None: stdin is empty, input() raises EOFError
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)  # state kept between calls
+    # The caller ran an earlier block in this session. An executor that holds no record of the id
+    # (it was restarted, or dropped the record) then says the state is gone, as its own fault, rather
+    # than run the block in a fresh session as if nothing had been lost.
+    session_continues: bool = False
 
     @field_validator("session_id")
     @classmethod

@@ -1,7 +1,8 @@
 """Clients of the executor service: `ExecutorClient` (sync) and `AsyncExecutorClient` (async).
 
     c = AsyncExecutorClient(url, token=None, timeout_s=60.0, retries=5)
-    r: ExecResult = await c.execute(code, timeout_s=None, memory_mb=None, stdin=None, session_id=None)
+    r: ExecResult = await c.execute(code, timeout_s=None, memory_mb=None, stdin=None, session_id=None,
+                                    session_continues=False)
     rs: list[ExecResult] = await c.execute_batch([{"code": ..., "timeout_s": ...}, ...])
     await c.delete_session(session_id); ok: bool = await c.health(); await c.aclose()
 
@@ -59,15 +60,15 @@ class _Common:
                                 f"{str(exc)[:300]}", resp.status_code) from None
 
     @staticmethod
-    def _exec_payload(code: str, timeout_s, memory_mb, stdin, session_id) -> dict:
+    def _exec_payload(code: str, timeout_s, memory_mb, stdin, session_id, session_continues=False) -> dict:
         req = ExecRequest(code=code, timeout_s=timeout_s, memory_mb=memory_mb, stdin=stdin,
-                          session_id=session_id)
-        return req.model_dump(exclude_none=True)
+                          session_id=session_id, session_continues=session_continues)
+        return req.model_dump(exclude_defaults=True)  # an older executor knows no session_continues
 
     @staticmethod
     def _batch_payload(items: Iterable[dict | ExecRequest]) -> dict:
         reqs = [i if isinstance(i, ExecRequest) else ExecRequest.model_validate(i) for i in items]
-        return {"items": [r.model_dump(exclude_none=True) for r in reqs]}
+        return {"items": [r.model_dump(exclude_defaults=True) for r in reqs]}
 
     def _timeout(self, payload_timeouts: list[float | None]) -> httpx.Timeout:
         """Long enough for the code's own limits plus queueing; connecting stays quick."""
@@ -134,8 +135,9 @@ class ExecutorClient(_Common):
             attempt += 1
 
     def execute(self, code: str, timeout_s: float | None = None, memory_mb: int | None = None,
-                stdin: str | None = None, session_id: str | None = None) -> ExecResult:
-        payload = self._exec_payload(code, timeout_s, memory_mb, stdin, session_id)
+                stdin: str | None = None, session_id: str | None = None,
+                session_continues: bool = False) -> ExecResult:
+        payload = self._exec_payload(code, timeout_s, memory_mb, stdin, session_id, session_continues)
         resp = self._request("POST", "/execute", payload, self._timeout([timeout_s]))
         return self._parse(ExecResult, resp)
 
@@ -190,8 +192,9 @@ class AsyncExecutorClient(_Common):
             attempt += 1
 
     async def execute(self, code: str, timeout_s: float | None = None, memory_mb: int | None = None,
-                      stdin: str | None = None, session_id: str | None = None) -> ExecResult:
-        payload = self._exec_payload(code, timeout_s, memory_mb, stdin, session_id)
+                      stdin: str | None = None, session_id: str | None = None,
+                session_continues: bool = False) -> ExecResult:
+        payload = self._exec_payload(code, timeout_s, memory_mb, stdin, session_id, session_continues)
         resp = await self._request("POST", "/execute", payload, self._timeout([timeout_s]))
         return self._parse(ExecResult, resp)
 

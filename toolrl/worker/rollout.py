@@ -35,7 +35,7 @@ class Generator(Protocol):
 
 
 class Tool(Protocol):
-    async def run(self, code: str, session_id: str | None) -> ToolCall: ...
+    async def run(self, code: str, session_id: str | None, continues: bool = False) -> ToolCall: ...
     async def end_session(self, session_id: str) -> None: ...
 
 
@@ -158,7 +158,7 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
 
     try:
         if pending_code is not None and tool is not None:
-            call, ran = await tool.run(pending_code, session), True
+            call, ran = await tool.run(pending_code, session, continues=ran), True
             if call.status == "unavailable":
                 r.tool_calls.append(call)
                 r.stop_reason = "tool_unavailable"
@@ -201,7 +201,7 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
                 call = ToolCall(code="", status="error",
                                 output="Error: no ```python block was found before this line.\n")
             else:
-                call, ran = await tool.run(code, session), True
+                call, ran = await tool.run(code, session, continues=ran), True
             if call.status == "unavailable":  # an infrastructure failure: the sample ends, unscored
                 r.tool_calls.append(call)
                 r.stop_reason = "tool_unavailable"
@@ -228,10 +228,13 @@ class ExecutorTool:
         self.calls = 0
         self.errors = 0
 
-    async def run(self, code: str, session_id: str | None) -> ToolCall:
+    async def run(self, code: str, session_id: str | None, continues: bool = False) -> ToolCall:
+        """`continues`: an earlier block of this rollout ran in the session, so an executor that
+        lost it (restarted meanwhile) says so as its fault, never runs the block as a fresh start."""
         self.calls += 1
         try:
-            res = await self.client.execute(code, timeout_s=self.timeout_s, session_id=session_id)
+            res = await self.client.execute(code, timeout_s=self.timeout_s, session_id=session_id,
+                                            session_continues=continues)
         except ExecutorUnavailable as exc:
             self.errors += 1
             return ToolCall(code=code, status="unavailable",

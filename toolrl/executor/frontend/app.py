@@ -89,7 +89,7 @@ class Executor:
                     out[i] = _result(item, None)
 
             async def run_session(i: int):
-                out[i] = await self._run_session(reqs[i].session_id, jobs[i])
+                out[i] = await self._run_session(reqs[i].session_id, jobs[i], reqs[i].session_continues)
 
             # tasks start in item order, so blocks of one session take its lock in item order
             await asyncio.gather(run_plain(), *(run_session(i) for i, r in enumerate(reqs) if r.session_id))
@@ -102,9 +102,9 @@ class Executor:
         finally:
             self.forkserver.release(len(jobs))
 
-    async def _run_session(self, sid: str, job: dict) -> ExecResult:
+    async def _run_session(self, sid: str, job: dict, continues: bool = False) -> ExecResult:
         while True:
-            s = self.sessions.acquire(sid)
+            s = self.sessions.acquire(sid, continues)
             s.busy += 1
             try:
                 await asyncio.wait_for(s.lock.acquire(), self.cfg.max_wait_s)

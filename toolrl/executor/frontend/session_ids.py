@@ -46,7 +46,10 @@ class SessionManager:
     def __len__(self) -> int:
         return len(self.active)
 
-    def acquire(self, sid: str) -> Session:
+    def acquire(self, sid: str, continues: bool = False) -> Session:
+        """The session of `sid`, started if it has none. `continues`: the caller ran an earlier block
+        in it, so an id with neither a session nor a tombstone lost its state to this executor (a
+        restart, or a tombstone dropped at the cap)."""
         s = self.active.get(sid)
         if s is not None:
             s.last_used = time.monotonic()
@@ -54,6 +57,9 @@ class SessionManager:
         if not self.free:
             self._evict_one()
         reset = self.tombstones.pop(sid, None)
+        if reset is None and continues:
+            reset = executor_caused("this executor holds no record of the session (it was restarted, or the "
+                                    "record was dropped): its earlier state is gone")
         s = self.active[sid] = Session(sid, self.free.pop(), reset)
         return s
 
