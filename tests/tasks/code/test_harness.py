@@ -79,3 +79,34 @@ def test_a_program_process_that_cannot_start_is_the_sandboxs_failure_not_a_score
     leave unscored, never 0 passed."""
     with pytest.raises(HarnessFailed, match="did not start"):
         run_plain("def add(a, b):\n    return a + b\n", ADD, prelude="import sys\nsys.executable = '/nonexistent'\n")
+
+
+FREEZER = '''import os, signal, time
+def _freeze_what_the_harness_starts(harness, me):
+    if os.fork() == 0:
+        os.setsid()  # out of the group the harness kills with the program's process
+        if os.fork() == 0:
+            end = time.time() + 15
+            while time.time() < end and os.path.exists(f"/proc/{harness}"):
+                for d in filter(str.isdigit, os.listdir("/proc")):
+                    try:
+                        ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+                    except (OSError, ValueError, IndexError):
+                        continue
+                    if ppid == harness and int(d) != me:
+                        os.kill(int(d), signal.SIGSTOP)
+                time.sleep(0.0005)
+        os._exit(0)
+    os.wait()
+def add(a, b):
+    _freeze_what_the_harness_starts(os.getppid(), os.getpid())
+    os._exit(0)
+'''
+
+
+def test_a_restart_the_program_stops_fails_its_tests_and_is_not_the_sandboxs_failure():
+    """After the program's process exits, the next test starts a fresh one; a process the program
+    left behind that freezes it made the harness report its own failure, so any sample could make
+    itself unscored and drop its whole group (found in review). Only a first start is the sandbox's."""
+    res = run_plain(FREEZER, ADD)
+    assert (res.passed, res.total) == (0, 2)

@@ -414,7 +414,13 @@ def _toolrl_harness(program, companion):
             def ask(self, msg):
                 try:
                     if self.pid is None:  # its last run timed out or exited: a fresh one for this test
-                        kind, value = self.start()
+                        try:
+                            kind, value = self.start()
+                        except Fatal as exc:
+                            # The program has run, and what it left behind (a process that freezes or
+                            # starves the next one) can stop a restart: the program's doing, never the
+                            # sandbox's (found in review: it turned any sample into an unscored one)
+                            raise ProgramError(f"its process did not start again: {exc}") from None
                         if kind != "ready":
                             raise ProgramError(f"the program raised {value} when run again")
                     send(self.wfd, msg)
