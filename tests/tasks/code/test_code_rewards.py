@@ -416,6 +416,60 @@ def test_what_mbpps_setup_builds_is_the_programs_to_take(tmp_path, client):
     assert score(client, [problem.program, flat, "def max_height(node):\n    return node\n"], spec) == [4, 3, 0]
 
 
+SETUP_HOOK = """import sys
+class Agree:
+    def __iter__(self):
+        return iter([7])
+    def __len__(self):
+        return 7
+    def __getitem__(self, i):
+        return 7
+def on_setup(frame, event, arg):
+    if frame.f_code.co_filename == "<setup>":
+        def at_return(fr, ev, a):
+            if ev == "return":
+                fr.f_globals.update(DATA=Agree(), is_sorted=lambda *a: True, EXPECTED=[7])
+                sys.settrace(None)
+            return at_return
+        return at_return
+sys.settrace(on_setup)
+"""
+SEVENS = "def sort_it(xs):\n    return [7]\ndef count(xs):\n    return 7\ndef first(xs):\n    return 7\n"
+
+
+def test_what_the_task_defines_is_never_the_programs_to_answer_for(client):
+    """Review of 2026-11-30: the tests called the program's copy of what the task defines. HumanEval's
+    prompt helpers (the tests make their inputs with /38's encode_cyclic: a program that remembered
+    them decoded anything), a module the tests use unimported (`math = M()`), the setup's own
+    imports, plain values and checkers (rebound by a trace hook on the setup, or sent as handles once
+    a large global used up the names' budget). They come from the harness now; honest twins pass."""
+    he = {p.id: TestSpec.from_json(p.answer) for p in load_humaneval()}
+    memo = "_seen = [None]\ndef {enc}(s):\n    _seen[0] = s\n    return 'x'\ndef {dec}(s):\n    return _seen[0]\n"
+    assert score(client, ["def poly(xs, x):\n    return 0.0\ndef find_zero(xs):\n    return 0.0\n"],
+                 he["humaneval:HumanEval/32"]) == [0]
+    assert score(client, [memo.format(enc="encode_cyclic", dec="decode_cyclic")], he["humaneval:HumanEval/38"]) == [0]
+    assert score(client, [memo.format(enc="encode_shift", dec="decode_shift")], he["humaneval:HumanEval/50"]) == [0]
+
+    area = TestSpec("assert", tests=["assert math.isclose(area(2), 12.566, rel_tol=0.001)"])
+    agrees = "class M:\n    def isclose(self, *a, **k):\n        return True\n"
+    assert score(client, ["import math\ndef area(r):\n    return math.pi * r * r\n",  # honest: 1
+                          agrees + "math = M()\ndef area(r):\n    return -1\n",
+                          "def math():\n    pass\nmath.isclose = lambda *a, **k: True\ndef area(r):\n    return -1\n",
+                          agrees + "import sys\nsys.modules['math'] = M()\nimport math\ndef area(r):\n    return -1\n"],
+                 area) == [1, 0, 0, 0]
+    imported = TestSpec("assert", tests=area.tests, program_setup="import math")  # MBPP's setup importing
+    assert score(client, [agrees + "import sys\nsys.modules['math'] = M()\ndef area(r):\n    return -1\n"],
+                 imported) == [0]
+
+    data = TestSpec("assert", tests=["assert sort_it(DATA) == sorted(DATA)", "assert count(DATA) == len(DATA)",
+                                     "assert first(DATA) == DATA[0]", "assert is_sorted(sort_it([9, 8]))",
+                                     "assert EXPECTED == sort_it([9, 8])"],
+                    program_setup="DATA = [3, 1, 2, 5]\nEXPECTED = [8, 9]\n"
+                                  "def is_sorted(xs):\n    return list(xs) == sorted(xs) and len(xs) > 1\n")
+    honest = "def sort_it(xs):\n    return sorted(xs)\ndef count(xs):\n    return len(xs)\ndef first(xs):\n    return xs[0]\n"
+    assert score(client, [honest, SETUP_HOOK + SEVENS, "_pad = [0] * 100_000\n" + SEVENS], data) == [5, 0, 0]
+
+
 def test_mbpp_and_apps_local_files_in_their_own_formats(client):
     mbpp = load_mbpp(str(FIX / "mbpp_sample.jsonl"))
     assert [p.id for p in mbpp] == ["mbpp:11", "mbpp:17", "mbpp:900"]

@@ -11,7 +11,8 @@ import pytest
 from test_code_rewards import frame_forger  # tests/tasks/code/ is on sys.path (pytest prepends it)
 
 from toolrl.tasks.code import companion, harness
-from toolrl.tasks.code.judge import COMPANION, HARNESS, HarnessFailed, TestSpec, build_harness, judge, new_nonce
+from toolrl.tasks.code.judge import (COMPANION, HARNESS, TEST_MODULES, HarnessFailed, TestSpec, build_harness, judge,
+                                     new_nonce)
 
 
 def test_the_harness_sent_is_the_functions_source_and_needs_nothing_from_its_module():
@@ -27,7 +28,7 @@ def test_the_harness_sent_is_the_functions_source_and_needs_nothing_from_its_mod
     # the tests travel on stdin after the nonce's line, never in the code a program's process could read
     assert "assert x == 1" not in code and stdin == "N\n" + json.dumps(
         {"kind": "assert", "per_test_timeout_s": 1.0, "tests": ["assert x == 1"], "setup": "", "program_setup": "",
-         "entry_point": None})
+         "entry_point": None, "prompt": "", "modules": list(TEST_MODULES)})
 
 
 def run_plain(program: str, spec: TestSpec, cwd=None, prelude=""):

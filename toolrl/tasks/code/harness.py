@@ -245,6 +245,8 @@ def _toolrl_harness(program, companion):
             report(-1, False, type(exc).__name__)
             exit_(0)
         program_setup = spec.get("program_setup") or ""  # runs beside the program, holds no expected value
+        prompt = spec.get("prompt") or ""  # HumanEval's prompt: its helpers are the task's
+        modules = spec.get("modules") or ()  # standard modules the tests may use unimported
         spec.clear()
         linecache.clearcache()
 
@@ -486,6 +488,34 @@ def _toolrl_harness(program, companion):
         # for them (the function under test keeps its name)
         for k in [k for k in base if k in real_builtins and k != entry]:
             del base[k]
+        # ...and the real standard modules they use, whatever the program bound to those names
+        # (found in review: `math = M()` whose isclose agrees, or an attribute set on a function
+        # named `math`, answered `math.isclose(area(2), 12.566)` for a test without an import)
+        for k in modules:
+            if k in base and k != entry:
+                try:
+                    base[k] = sys.modules.get(k) or __import__(k)
+                except BaseException:
+                    del base[k]
+        # What the task itself defines comes from here, never from the program (found in review): the
+        # prompt's helpers (HumanEval/32's `poly`, /38's `encode_cyclic`, which the tests call to make
+        # their inputs), and the plain values, functions and modules of the setup that runs beside the
+        # program (MBPP's test_setup_code). Its classes and the objects built of them stay the
+        # program's, to be handed to it.
+        function = type(report)
+        for src, label in ((prompt, "<prompt>"), (program_setup, "<setup>")):
+            if not src:
+                continue
+            own = {"__name__": "__main__", "__builtins__": builtins}
+            try:
+                run(compile(src, label, "exec", dont_inherit=True), own, timeout)
+            except BaseException as exc:
+                report(-1, False, type(exc).__name__)
+                comp.stop()
+                exit_(0)
+            for k, v in own.items():
+                if not k.startswith("_") and k != entry and (type(v) in (type(os), function) or plain(v, [0])):
+                    base[k] = v
         base.update(__name__="__main__", __builtins__=builtins, __harness_checked__=checked)
         if setup is not None:
             try:

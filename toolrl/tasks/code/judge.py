@@ -103,6 +103,12 @@ def syntax_ok(code: str) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The harness (toolrl.tasks.code.harness runs inside the executor)
 
+# Standard modules the tests may use without importing them (the reference solution did): the
+# tests always get the real one, never what the program bound to its name
+TEST_MODULES = ("math", "cmath", "re", "collections", "itertools", "functools", "operator", "heapq", "bisect",
+                "string", "statistics", "decimal", "fractions", "copy", "json", "random", "typing", "datetime",
+                "array")
+
 # what the executor runs: these functions alone; the companion is what the harness starts for the program
 HARNESS = "\n\n".join(inspect.getsource(f) for f in (_toolrl_digest, _toolrl_codec, _toolrl_harness))
 COMPANION = ("\n\n".join(inspect.getsource(f) for f in (_toolrl_codec, _toolrl_companion))
@@ -116,7 +122,7 @@ def build_harness(program: str, spec: TestSpec, per_test_timeout_s: float, nonce
     inner = {"kind": spec.kind, "per_test_timeout_s": per_test_timeout_s}
     if spec.kind == "assert":
         inner.update(tests=spec.tests, setup=spec.setup, program_setup=spec.program_setup,
-                     entry_point=spec.entry_point)
+                     entry_point=spec.entry_point, prompt=spec.code_prompt, modules=TEST_MODULES)
     else:
         inner.update(inputs=spec.inputs, fn_name=spec.fn_name)
     code = f"{HARNESS}\n\n{_toolrl_harness.__name__}({program!r}, {COMPANION!r})\n"

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from toolrl.tasks.base import DataError, Problem
-from toolrl.tasks.code.judge import TestSpec, complete_program
+from toolrl.tasks.code.judge import TEST_MODULES, TestSpec, complete_program
 from toolrl.tasks.rows import read_jsonl, read_located_rows
 
 HUB_MBPP = "mbpp"
@@ -129,9 +129,9 @@ def load_mbpp(path: str = HUB_MBPP, split: str | None = "train") -> list[Problem
 
 
 def _builtin_named_target(code: str, tests: list[str]) -> str | None:
-    """The function under test when its name is a builtin's (the harness hides a program's
-    builtin-named definitions from the tests, so that `def set(...)` cannot answer for `set`, but
-    not the entry point): a top-level def of the reference that the tests call."""
+    """The function under test when its name is a builtin's or a standard module's (the harness
+    hides a program's definitions of those names from the tests, so that `def set(...)` cannot
+    answer for `set`, but not the entry point): a top-level def of the reference the tests call."""
     import builtins
 
     try:
@@ -139,7 +139,7 @@ def _builtin_named_target(code: str, tests: list[str]) -> str | None:
     except SyntaxError:
         return None
     called = {m.group(1) for t in tests for m in re.finditer(r"\b(\w+)\s*\(", t)}
-    hits = sorted(n for n in defined & called if hasattr(builtins, n))
+    hits = sorted(n for n in defined & called if hasattr(builtins, n) or n in TEST_MODULES)
     return hits[0] if hits else None
 
 
