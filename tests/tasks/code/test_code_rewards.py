@@ -466,7 +466,8 @@ def test_what_the_task_defines_is_never_the_programs_to_answer_for(client):
                                      "assert EXPECTED == sort_it([9, 8])"],
                     program_setup="DATA = [3, 1, 2, 5]\nEXPECTED = [8, 9]\n"
                                   "def is_sorted(xs):\n    return list(xs) == sorted(xs) and len(xs) > 1\n")
-    honest = "def sort_it(xs):\n    return sorted(xs)\ndef count(xs):\n    return len(xs)\ndef first(xs):\n    return xs[0]\n"
+    honest = ("def sort_it(xs):\n    return sorted(xs)\ndef count(xs):\n    return len(xs)\n"
+              "def first(xs):\n    return xs[0]\n")
     assert score(client, [honest, SETUP_HOOK + SEVENS, "_pad = [0] * 100_000\n" + SEVENS], data) == [5, 0, 0]
 
 
