@@ -565,6 +565,19 @@ def test_reports_cut_by_the_output_cap_leave_the_sample_unscored_not_zero(client
     assert score(client, ["i = int(input())\nprint(2 * i)\n", "print(0)\n"], few) == [40, 1]
 
 
+def test_what_a_program_prints_or_names_cannot_push_the_reports_past_the_cap(client):
+    """A report carries an output itself only while its JSON is short: 200 emoji took 2.4 KB of
+    escapes, an exception class named with them as much, and a few such lines had the output cap cut
+    the reports, which leaves the sample unscored instead of 0 (found in review, 2026-11-30)."""
+    n = 12
+    stdio = TestSpec("stdio", inputs=[f"{i}\n" for i in range(n)], outputs=[str(2 * i) for i in range(n)])
+    assert score(client, ["i = int(input())\nprint(2 * i)\n", "print('\\U0001F600' * 200)\n",
+                          "print(chr(1) * 200)\n"], stdio) == [n, 0, 0]
+    call = TestSpec("call", fn_name="f", inputs=[[i] for i in range(n)], outputs=[2 * i for i in range(n)])
+    named = "E = type('\\U0001F600' * 200, (Exception,), {})\ndef f(x):\n    raise E()\n"
+    assert score(client, ["def f(x):\n    return 2 * x\n", named], call) == [n, 0]
+
+
 def test_a_program_that_floods_its_output_scores_0_and_its_group_keeps_its_scores(client):
     """100 KB on stderr and then os._exit: the output was truncated with no test reported, so the
     judge took it for reports cut by the cap and the whole batch, honest programs too, went unscored

@@ -13,13 +13,16 @@ from toolrl.tasks.code.companion import _toolrl_codec  # noqa: F401  (sent besid
 
 
 def _toolrl_digest(text):
-    """An output as reported: itself up to 200 characters, else the SHA-256 of its canonical form
-    (tokens, numbers to 6 decimals), so the executor's output cap cuts nothing and a long output meets
-    the tolerance the judge gives a short one token by token (found in review: a double space or
-    float noise failed past 200 characters only). Sent with the harness and used by the judge."""
+    """An output as reported: itself while its JSON is at most 100 bytes, else the SHA-256 of its
+    canonical form (tokens, numbers to 6 decimals), so a report line stays small whatever the program
+    prints (found in review: 200 emoji took 2.4 KB of escapes, and a few such lines pushed the reports
+    past the executor's output cap, which leaves a sample unscored), and a long output meets the
+    tolerance the judge gives a short one token by token (found in review: a double space or float
+    noise failed for long outputs only). Sent with the harness and used by the judge."""
     import hashlib
+    import json
 
-    if len(text) <= 200:
+    if len(text) <= 100 and len(json.dumps(text)) <= 100:
         return text
     out = []
     for tok in text.split():
@@ -136,8 +139,8 @@ def _toolrl_harness(program, companion):
         raise Timeout()
 
     def report(i, ok, payload=None):
-        if type(payload) is str:  # a program's exception name is its to choose: never past the cap
-            payload = payload[:200]
+        if not ok and type(payload) is str:  # a program's exception name is its to choose: short, printable
+            payload = ascii(payload)[1:-1][:60]
         line = encode([i, ok, payload])
         write(report_fd, ("\n" + nonce + " " + line + "\n").encode())
 
