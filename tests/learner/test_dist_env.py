@@ -2,7 +2,7 @@
 DeepSpeed's launcher, Slurm's srun, or none; inconsistent ones refused with one clear line."""
 import pytest
 
-from toolrl.learner.dist_env import DistEnv, DistEnvError, export, first_host, read, setup
+from toolrl.learner.dist_env import DistEnv, DistEnvError, collective_timeout, export, first_host, read, setup
 
 TORCHRUN_NODE1 = {  # what torchrun --nnodes 2 --node_rank 1 --nproc_per_node 4 gives its second local rank
     "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
@@ -94,3 +94,16 @@ def test_an_inconsistent_environment_is_one_clear_error(env, needle):
     with pytest.raises(DistEnvError) as e:
         setup(dict(env))
     assert needle in str(e.value), str(e.value)
+
+
+def test_the_collective_timeout_covers_rank_0s_longest_work_alone_unless_the_user_set_one():
+    from datetime import timedelta
+
+    from toolrl.config import load_config
+
+    cfg = load_config("configs/cpu_demo.yaml", ["eval.timeout_s=1800", "learner.batch_timeout_s=600",
+                                                "learner.sync_timeout_s=120"])
+    assert collective_timeout(cfg, env={}) == timedelta(seconds=300 + 1800 + 600 + 240 + 300)
+    short = load_config("configs/cpu_demo.yaml", ["eval.timeout_s=10", "learner.batch_timeout_s=10"])
+    assert collective_timeout(short, env={}) == timedelta(minutes=10)  # never below DeepSpeed's own
+    assert collective_timeout(cfg, env={"DEEPSPEED_TIMEOUT": "45"}) == timedelta(minutes=45)

@@ -791,3 +791,19 @@ def test_an_old_checkpoint_another_rank_removed_first_is_no_error(tmp_path):
     (tmp_path / "step000002" / "a" / "shard.pt").write_bytes(b"x")
     remove_tree(tmp_path / "step000002")
     assert not (tmp_path / "step000002").exists()
+
+
+def test_collectives_outwait_what_rank_0_does_alone():
+    """Rank 0 alone runs the held-out evaluation (eval.timeout_s: 30 minutes by default) while the
+    other ranks wait in their next collective; DeepSpeed's 10-minute default ended them all."""
+    from datetime import timedelta
+
+    import torch
+
+    from toolrl.learner.dist_env import collective_timeout
+
+    make_trainer()  # the process group exists once a trainer does
+    cfg = make_cfg()
+    gloo = torch.distributed.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    assert gloo.options._timeout == collective_timeout(cfg, env={})
+    assert collective_timeout(cfg, env={}) > timedelta(seconds=cfg.eval.timeout_s + cfg.learner.batch_timeout_s)

@@ -25,6 +25,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Mapping, MutableMapping
 
@@ -189,3 +190,19 @@ def check_shared_dir(path: str | Path, what: str = "checkpoint directory", wait_
         raise DistEnvError(f"the {what} {path} is not shared: {', '.join(blind)} cannot see a file rank 0 wrote "
                            "there. Learner ranks on several nodes need it on a filesystem every node mounts at "
                            "the same path (DeepSpeed's checkpoints are written and read by every rank)")
+
+
+def collective_timeout(cfg, env: Mapping[str, str] | None = None) -> timedelta:
+    """How long a rank waits in a collective: longer than rank 0 can work alone while the others
+    wait in their next one. Rank 0 alone runs the held-out evaluation (up to 300 s to find a worker,
+    then eval.timeout_s), waits for its batch (learner.batch_timeout_s) and pushes the weights
+    (learner.sync_timeout_s a request). DeepSpeed's default of 10 minutes ended every rank of a
+    multi-rank run in the middle of a long evaluation (found in an audit). DEEPSPEED_TIMEOUT
+    (minutes), when set, is the user's choice and wins. A rank that dies is seen at once: only a
+    hung one waits this long."""
+    env = os.environ if env is None else env
+    if env.get("DEEPSPEED_TIMEOUT"):
+        return timedelta(minutes=int(env["DEEPSPEED_TIMEOUT"]))
+    alone = (min(300.0, cfg.eval.timeout_s) + cfg.eval.timeout_s + cfg.learner.batch_timeout_s
+             + 2 * cfg.learner.sync_timeout_s)
+    return timedelta(seconds=max(600.0, alone + 300.0))

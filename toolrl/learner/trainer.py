@@ -24,7 +24,7 @@ import torch
 
 from toolrl.config import Config
 from toolrl.learner.batching import micro_batches, split_mini_batches
-from toolrl.learner.dist_env import setup as setup_dist_env
+from toolrl.learner.dist_env import collective_timeout, setup as setup_dist_env
 from toolrl.learner.housekeeping import clear_stale_op_locks, clear_stale_shm_buffers
 from toolrl.learner.schedules import lr_lambda
 from toolrl.grpo import BatchCounts, Role, grpo_loss, sample_roles, sft_loss
@@ -98,7 +98,8 @@ class Trainer:
             gone = clear_stale_shm_buffers()
             if gone:
                 print(f"removed {len(gone)} DeepSpeed all-reduce buffers left in /dev/shm by earlier runs", flush=True)
-        deepspeed.init_distributed(auto_mpi_discovery=False)  # env://, as exported above; no MPI guessing
+        # env://, as exported above; no MPI guessing; collectives outwait rank 0's work alone
+        deepspeed.init_distributed(auto_mpi_discovery=False, timeout=collective_timeout(cfg))
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         self.version = 0
