@@ -588,3 +588,19 @@ def test_a_group_the_reference_server_refuses_is_left_out_and_the_worker_goes_on
     assert worker.stats.refused_groups == 1
     assert sorted({s.group_id.split(":")[1] for s in got}) == sorted([problems[1].id, problems[2].id])
     assert flow["in_flight"] == 0 and flow["released_total"] == 3  # the refused group's grant too
+
+
+def test_an_executor_that_refuses_the_token_stops_the_rollout_and_says_why(tmp_path):
+    """A wrong executor token refuses every program: it was each sample's "unavailable" tool call,
+    and the worker dropped group after group and produced nothing, with the reason only in a log
+    line (found in an audit). Now it stops, naming the refusal."""
+    from toolrl.executor.client import AsyncExecutorClient, ExecutorRequestError
+    from toolrl.executor.local import LocalExecutor
+
+    with LocalExecutor(token="the-runs-token", sets=["executor.workers=1"], log_path=tmp_path / "ex.log") as ex:
+        script = Script([(prog("print(6 * 7)"), STOP_MARKER), (boxed(42), None)])
+        with pytest.raises(ExecutorRequestError, match="401"):
+            run(script, ExecutorTool(AsyncExecutorClient(ex.url, token="another"), timeout_s=5))
+        r = run(Script([(prog("print(6 * 7)"), STOP_MARKER), (boxed(42), None)]),
+                ExecutorTool(AsyncExecutorClient(ex.url, token="the-runs-token"), timeout_s=5))
+        assert r.tool_calls[0].output == "42\n" and r.stop_reason == "eos"

@@ -189,6 +189,8 @@ class Producer:
         try:
             tests = await a.run_tests(problem, rolls)
         except ExecutorError as exc:
+            if exc.status_code in (401, 403):
+                raise  # a wrong token refuses every test run: stop, and say why
             self.stats.unscored_groups += 1
             log.warning("could not run the tests of %s, group dropped: %s", problem.id, exc)
             return None

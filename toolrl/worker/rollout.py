@@ -22,7 +22,7 @@ from typing import AsyncContextManager, Protocol
 from toolrl.config import RolloutConfig
 from toolrl.worker.engine import GenOut
 from toolrl.format import ends_inside_stop, extract_program, format_tool_result, stop_strings
-from toolrl.executor.client import ExecutorUnavailable
+from toolrl.executor.client import ExecutorRequestError, ExecutorUnavailable
 from toolrl.protocol import StopReason, ToolCall
 from toolrl.weightsync.gate import Segment
 
@@ -218,8 +218,9 @@ class ExecutorTool:
     """The executor service as the rollout's tool. What the executor could not run (down,
     unreachable or busy through the client's bounded retries, or refusing the request) is status
     `unavailable`: the rollout ends there and its group is left out of training, since the model
-    did nothing wrong. So is a run the executor itself spoiled (`executor_fault`: the session's
-    earlier state evicted, expired or lost to a restart, a runner that could not start). Timeouts,
+    did nothing wrong (a refused token, 401/403, would refuse every program: it raises instead). So
+    is a run the executor itself spoiled (`executor_fault`: the session's earlier state evicted,
+    expired or lost to a restart, a runner that could not start). Timeouts,
     errors and limits of the program itself are the model's, and so is a session its own code lost."""
 
     def __init__(self, client, timeout_s: float | None = None):
@@ -239,6 +240,12 @@ class ExecutorTool:
             self.errors += 1
             return ToolCall(code=code, status="unavailable",
                             output=f"Error: the Python executor is unavailable ({exc})\n")
+        except ExecutorRequestError as exc:
+            if exc.status_code in (401, 403):
+                raise  # a wrong token refuses every program: stop, and say why (not one left-out group after another)
+            self.errors += 1
+            return ToolCall(code=code, status="unavailable",
+                            output=f"Error: the executor refused the request ({exc})\n")
         except Exception as exc:  # a refused request is this sample's tool error, never the worker's crash
             self.errors += 1
             return ToolCall(code=code, status="unavailable",
