@@ -291,7 +291,7 @@ def test_dup2_over_stdout(s):
 
 def test_memory_bomb(s):
     r = s.run("x = []\nwhile True:\n    x.append(bytearray(10**7))", timeout_s=10)
-    assert r.status == "oom", r
+    assert r.status == "oom" and not r.executor_fault, r  # its own limit: the code's outcome
 
 
 def test_numpy_memory_bomb(s):

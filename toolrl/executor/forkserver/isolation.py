@@ -325,6 +325,12 @@ class Cgroups:
         with open(os.path.join(self.base["pids"], lane, "cgroup.procs")) as f:
             return [p for p in (int(x) for x in f.read().split()) if p > 0]
 
+    def failures(self, lane: str) -> int:
+        """How often a charge failed at the lane's own limit (v1 counts a failure on the group whose
+        limit refused it: the lane's, or the group's above every lane)."""
+        with open(os.path.join(self.base["memory"], lane, "memory.failcnt")) as f:
+            return int(f.read())
+
     def oom_kills(self, lane: str) -> int:
         with open(os.path.join(self.base["memory"], lane, "memory.oom_control")) as f:
             for line in f:

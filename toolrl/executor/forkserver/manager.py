@@ -29,7 +29,8 @@ from toolrl.executor.ipc import executor_caused
 from toolrl.executor.forkserver import zygote
 from toolrl.executor.forkserver.lanes import Lane, LaneFactory
 from toolrl.executor.forkserver.memory_admission import TICK_S, admission_for
-from toolrl.executor.forkserver.records import MAX_REPORTS, Proc, Run, Session, Slot, classify, synthetic
+from toolrl.executor.forkserver.records import (MAX_REPORTS, TOTAL_OOM, Proc, Run, Session, Slot, classify,
+                                                synthetic)
 from toolrl.executor.forkserver.session_runners import SESSION_UID_OFFSET, SessionRunners
 from toolrl.executor.forkserver.sweeper import Sweeper, pidfds_work, sweep_descendants
 from toolrl.executor.forkserver.zygote import ZygoteLink
@@ -65,7 +66,7 @@ class ForkServer(SessionRunners):
         self.lost: dict[int, str] = {}  # session index -> why its process ended while idle
         self.sweeps: dict[int, list] = {}
         self.spawns: dict[int, tuple] = {}  # tag -> (lane, owner, session, then): forks asked of a zygote
-        self.oom_seen: dict[str, int] = {}
+        self.oom_seen: dict[str, tuple[int, int]] = {}  # lane -> (OOM kills, failed charges) last seen
         self.unverified_blocks = 0  # session blocks ended on their report alone (/proc could not tell)
         self.outgoing: list[dict] = []
         self.stopping = False
@@ -508,24 +509,44 @@ class ForkServer(SessionRunners):
         slot.failures = 0
         self.active -= 1
         run.done = True
-        slot.pending = (run.job["id"], self.result(p, run, status, cpu_ms))
+        res, fault = self.result(p, run, status, cpu_ms)
+        slot.pending = (run.job["id"], res, None, None, fault is not None)
         self.at(0, lambda: self.cleanup_slot(slot))  # after this batch of events: orphans reaped first
 
-    def result(self, p: Proc, run: Run, status: int | None, cpu_ms: float) -> dict:
-        res = classify(p, run, status, cpu_ms, lambda: self._lane_oom(p.lane))
+    def result(self, p: Proc, run: Run, status: int | None, cpu_ms: float) -> tuple[dict, str | None]:
+        """The run's ExecResult fields, and why the executor, not the code, ended it (a fault: the
+        sample is left out, never scored), or None."""
+        oom: dict[str, str | None] = {}
+
+        def own_oom() -> bool:
+            oom["at"] = self._lane_oom(p.lane)
+            return oom["at"] == "own"
+
+        res, fault = classify(p, run, status, cpu_ms, own_oom), None
+        if oom.get("at") == "total":  # under its own limit: killed for what all lanes held together
+            res["stderr"] += f"[executor: {TOTAL_OOM}]\n"
+            fault = TOTAL_OOM
         if res["exit_code"] == SETUP_FAILED and status is not None and not p.report:
             log.error("lane %s: sandbox setup failed: %s", p.lane.name, p.err.text().strip()[-500:])
-        return res
+            fault = "the sandbox could not be set up: the code never ran"
+        return res, fault
 
-    def _lane_oom(self, lane: Lane) -> bool:
+    def _lane_oom(self, lane: Lane) -> str | None:
+        """Whether the kernel OOM-killed in the lane since the last look, and at which limit: "own"
+        (the job's memory_mb: a charge failed at the lane's group) or "total" (the group above
+        every lane, executor.total_memory_mb, full of what other executions and sessions hold: found
+        in an audit, such kills were scored as the code's own "oom"). None: no OOM kill."""
         if not self.cgroups:
-            return False
+            return None
         try:
-            n = self.cgroups.oom_kills(lane.name)
+            kills, fails = self.cgroups.oom_kills(lane.name), self.cgroups.failures(lane.name)
         except OSError:
-            return False
-        seen, self.oom_seen[lane.name] = self.oom_seen.get(lane.name, 0), n
-        return n > seen
+            return None
+        seen_kills, seen_fails = self.oom_seen.get(lane.name, (0, 0))
+        self.oom_seen[lane.name] = (kills, fails)
+        if kills <= seen_kills:
+            return None
+        return "own" if fails > seen_fails else "total"
 
     # -- cleaning up after a lane ---------------------------------------------------------------------
     def ensure_empty(self, lane: Lane, then, attempt: int = 0, swept: bool = True) -> None:

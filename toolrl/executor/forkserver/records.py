@@ -68,6 +68,11 @@ class Session:
         self.waiting: tuple | None = None  # (job, reset) held until its process exists
 
 
+# A process killed under its own limit because every lane together reached the group above them all
+TOTAL_OOM = ("killed when the executor's executions and sessions together reached executor.total_memory_mb, "
+             "under this code's own memory limit")
+
+
 def classify(p: Proc, run: Run, status: int | None, cpu_ms: float, lane_oom) -> dict:
     """The ExecResult fields for a finished run. status None: a session block that finished with its
     process alive (its report frame holds the exit code). lane_oom(): did the kernel OOM-kill in the

@@ -7,9 +7,11 @@ between blocks, with the next block (`reset`). Mixed into ForkServer, whose stat
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
 from toolrl.executor.forkserver.capture import Capture
-from toolrl.executor.forkserver.records import Proc, Session, describe_exit, synthetic
+from toolrl.executor.forkserver.records import TOTAL_OOM, Proc, Session, describe_exit, synthetic
 from toolrl.executor.forkserver.sweeper import kill_uid_others
 from toolrl.executor.ipc import executor_caused
 from toolrl.executor.runner.child import JOB_FD
@@ -111,12 +113,12 @@ class SessionRunners:
         self.drain(p)
         run.done = True
         cpu = max(0.0, proc_cpu_s(p.pid) - run.cpu0) * 1000  # the kernel's count, not the report's
-        result = self.result(p, run, None, cpu)
+        result, fault = self.result(p, run, None, cpu)
         p.run, p.report, p.idle_bytes = None, None, 0
         p.out, p.err = Capture(self.cfg["max_output_bytes"]), Capture(self.cfg["max_output_bytes"])
         self.active -= 1
         s.state = "idle"
-        self.answer(run.job["id"], result, reset=run.reset)
+        self.answer(run.job["id"], result, reset=run.reset, fault=fault is not None)
         if self.memory is not None:
             self.memory.block_done(s.index)
 
@@ -128,9 +130,15 @@ class SessionRunners:
             run.done = True
             self.active -= 1
             cpu = max(0.0, cpu_ms - run.cpu0 * 1000)
-            self.answer(run.job["id"], self.result(p, run, status, cpu), reset=run.reset, lost=why)
+            result, fault = self.result(p, run, status, cpu)
+            self.answer(run.job["id"], result, reset=run.reset, lost=executor_caused(fault) if fault else why,
+                        fault=fault is not None)
         elif s.kill_note is None:
-            self.lost[s.index] = f"the session's process ended between blocks ({why})"
+            if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and self._lane_oom(p.lane) == "total":
+                # idle, it held what it had: what the others allocated did it
+                self.lost[s.index] = executor_caused(f"the session's process ended between blocks ({TOTAL_OOM})")
+            else:
+                self.lost[s.index] = f"the session's process ended between blocks ({why})"
         s.proc, s.state = None, "cleaning"
         self.at(0, lambda: self.clean_session(s))
 
