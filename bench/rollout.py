@@ -51,7 +51,7 @@ STUB_OUTPUT = "2413\n"
 class StubTool:
     """Zero-latency executor: returns a fixed output at once (benchmark only)."""
 
-    async def run(self, code, session_id):
+    async def run(self, code, session_id, continues=False):
         return ToolCall(code=code, status="ok", output=STUB_OUTPUT)
 
     async def end_session(self, session_id):

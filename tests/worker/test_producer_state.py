@@ -194,3 +194,22 @@ def test_a_verifier_that_cannot_start_leaves_groups_out_and_keeps_the_worker(cap
     stats = p.stats.as_dict()
     assert (stats["unscored_groups"], stats["failed_groups"]) == (8, 0)
     assert "could not grade the answers" in caplog.text
+
+
+def test_a_refused_executor_token_stops_the_producer_at_once():
+    """A wrong executor token (401/403) refuses every program: each group was a `failed_groups`
+    traceback, and a group that called no tool in between reset the count of failures in a row,
+    so the worker never stopped (found in review). It stops at the first."""
+    from toolrl.executor.client import ExecutorRequestError
+
+    p = producer()
+
+    async def refused(*a, **k):
+        raise ExecutorRequestError("executor refused /execute: 401 invalid or missing bearer token", 401)
+    p.agent.rollouts = refused
+
+    async def go():
+        return [g async for g in p.produce(n_groups=8)]
+    with pytest.raises(ExecutorRequestError, match="401"):
+        asyncio.run(go())
+    assert p.stats.as_dict()["failed_groups"] == 0

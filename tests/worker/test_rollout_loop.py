@@ -12,7 +12,7 @@ from toolrl.format import STOP_MARKER, format_tool_result
 from toolrl.models import load_tokenizer
 from toolrl.tasks.arithmetic import arithmetic_problems, teacher_trace
 from toolrl.worker.engine import GenOut
-from toolrl.worker.rollout import TRUNCATION_MARK, ExecutorTool, run_rollout, tool_segment_ids
+from toolrl.worker.rollout import SESSION_MARK, TRUNCATION_MARK, ExecutorTool, run_rollout, tool_segment_ids
 from toolrl.worker.service import GenWorker
 from toolrl.worker.teacher import teacher_sample
 
@@ -184,11 +184,12 @@ def test_a_session_the_executor_lost_is_an_infrastructure_failure_one_its_code_l
 
     class Client:
         def __init__(self, fault):
-            self.fault, self.calls, self.continues = fault, 0, []
+            self.fault, self.calls, self.continues, self.sessions = fault, 0, [], []
 
         async def execute(self, code, timeout_s=None, session_id=None, session_continues=False):
             self.calls += 1
             self.continues.append(session_continues)
+            self.sessions.append(session_id)
             if self.calls == 1:
                 return ExecResult(status="ok", exit_code=0, stdout="", stderr="", truncated=False, wall_ms=1, cpu_ms=1)
             why = "by the executor: expired after 300 s idle" if self.fault else "the previous block hit its time limit"
@@ -202,6 +203,8 @@ def test_a_session_the_executor_lost_is_an_infrastructure_failure_one_its_code_l
         r = run(script, ExecutorTool(client))
         # the second block continues the session: an executor that lost it (a restart) must say so
         assert client.continues == [False, True]
+        # a session of this process's own: a restarted worker draws the same request ids ("t.0")
+        assert client.sessions[0] == f"t.0#{SESSION_MARK}" and set(client.sessions) == {client.sessions[0]}
         if fault:
             assert r.stop_reason == "tool_unavailable" and r.tool_calls[1].status == "unavailable"
             assert "expired" in r.tool_calls[1].output and len(script.segments) == 1  # never resumed
@@ -471,7 +474,7 @@ def test_a_slow_tool_call_holds_back_only_its_own_sample(tool):
 
     class OneSlowTool:
         async def run(self, code, session_id, continues=False):
-            if session_id.endswith(".0"):
+            if session_id.partition("#")[0].endswith(".0"):  # sample 0's session
                 await gate.wait()
             return await real.run(code, session_id, continues)
 

@@ -63,7 +63,8 @@ class _Common:
     def _exec_payload(code: str, timeout_s, memory_mb, stdin, session_id, session_continues=False) -> dict:
         req = ExecRequest(code=code, timeout_s=timeout_s, memory_mb=memory_mb, stdin=stdin,
                           session_id=session_id, session_continues=session_continues)
-        return req.model_dump(exclude_defaults=True)  # an older executor knows no session_continues
+        # defaults left out: session_continues goes only when true (a block after a session's first)
+        return req.model_dump(exclude_defaults=True)
 
     @staticmethod
     def _batch_payload(items: Iterable[dict | ExecRequest]) -> dict:

@@ -160,7 +160,14 @@ class Agent:
                 if on_problem is not None:
                     on_problem(problem.id, groups[problem.id])
 
-        await asyncio.gather(*[one(p) for p in problems])
+        tasks = [asyncio.ensure_future(one(p)) for p in problems]
+        try:
+            await asyncio.gather(*tasks)
+        except ExecutorError as exc:  # only a refused token (401/403) gets here: every problem would fail alike
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise EvaluationUnscored(f"the executor refused this worker: {exc}") from None
         if problems and not any(groups.values()):
             raise EvaluationUnscored(f"no held-out sample of {len(problems)} problems could be scored: {aborted} "
                                      f"rollouts ended by infrastructure failures, {unscored} problems could not be "

@@ -281,6 +281,9 @@ class Producer:
                 self.stats.aborted_groups += 1
             return None
         if task.exception() is not None:
+            exc = task.exception()
+            if isinstance(exc, ExecutorError) and exc.status_code in (401, 403):
+                raise exc  # a refused token refuses every program: stop now, and say why
             # One broken group must not take the worker down; a persistent failure must.
             self.stats.failed_groups += 1
             self._failures += 1

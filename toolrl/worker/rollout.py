@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import secrets
 from dataclasses import dataclass, field
 from typing import AsyncContextManager, Protocol
 
@@ -25,6 +26,11 @@ from toolrl.format import ends_inside_stop, extract_program, format_tool_result,
 from toolrl.executor.client import ExecutorRequestError, ExecutorUnavailable
 from toolrl.protocol import StopReason, ToolCall
 from toolrl.weightsync.gate import Segment
+
+# A restarted worker draws the same request ids again (its counter starts over, a resumed problem
+# stream replays): this process's own mark keeps its sessions apart from its predecessor's, whose
+# tombstones ("expired", executor-caused) would otherwise reset a first block and drop its group
+SESSION_MARK = secrets.token_hex(4)
 
 TRUNCATION_MARK = "\n...[output truncated]\n"
 
@@ -140,7 +146,7 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
     versions = versions or FixedVersion()
     stops = stop_strings(cfg.stop_marker, cfg.stop_at_program_close)
     run_start = 0  # where the model's current run of text began (after the last tool output)
-    session = request_id if cfg.session_per_rollout else None
+    session = f"{request_id}#{SESSION_MARK}" if cfg.session_per_rollout else None
     ran = False  # a program ran in the session: end it, even if its output did not fit
 
     def insert(call: ToolCall, lead: str = "") -> bool:
@@ -158,7 +164,7 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
 
     try:
         if pending_code is not None and tool is not None:
-            call, ran = await tool.run(pending_code, session, continues=ran), True
+            call, ran = await tool.run(pending_code, session, continues=ran and session is not None), True
             if call.status == "unavailable":
                 r.tool_calls.append(call)
                 r.stop_reason = "tool_unavailable"
@@ -201,7 +207,7 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
                 call = ToolCall(code="", status="error",
                                 output="Error: no ```python block was found before this line.\n")
             else:
-                call, ran = await tool.run(code, session, continues=ran), True
+                call, ran = await tool.run(code, session, continues=ran and session is not None), True
             if call.status == "unavailable":  # an infrastructure failure: the sample ends, unscored
                 r.tool_calls.append(call)
                 r.stop_reason = "tool_unavailable"
