@@ -102,8 +102,9 @@ def test_the_collective_timeout_covers_rank_0s_longest_work_alone_unless_the_use
     from toolrl.config import load_config
 
     cfg = load_config("configs/cpu_demo.yaml", ["eval.timeout_s=1800", "learner.batch_timeout_s=600",
-                                                "learner.sync_timeout_s=120"])
-    assert collective_timeout(cfg, env={}) == timedelta(seconds=300 + 1800 + 600 + 240 + 300)
-    short = load_config("configs/cpu_demo.yaml", ["eval.timeout_s=10", "learner.batch_timeout_s=10"])
+                                                "learner.sync_timeout_s=120", "learner.sync_retries=3"])
+    assert collective_timeout(cfg, env={}) == timedelta(seconds=300 + 1800 + 600 + 2 * 4 * 120 + 300)
+    short = load_config("configs/cpu_demo.yaml", ["eval.timeout_s=10", "learner.batch_timeout_s=10",
+                                                  "learner.sync_timeout_s=10", "learner.sync_retries=0"])
     assert collective_timeout(short, env={}) == timedelta(minutes=10)  # never below DeepSpeed's own
     assert collective_timeout(cfg, env={"DEEPSPEED_TIMEOUT": "45"}) == timedelta(minutes=45)

@@ -1,11 +1,13 @@
 """The DeepSpeed learner on the tiny model, in-process on DeepSpeed's CPU accelerator."""
 import math
 import random
+from datetime import timedelta
 
 import pytest
 import torch
 
 from toolrl.config import load_config
+from toolrl.learner.dist_env import collective_timeout
 from toolrl.logprobs import sample_logprobs
 from toolrl.models import resolve_model
 from toolrl.protocol import Sample
@@ -61,6 +63,10 @@ def batch(seed=0, n_groups=2, group=4, on_policy_model=None, tool_tokens=3):
 
 def test_steps_reduce_the_loss_on_a_fixed_batch():
     tr = make_trainer()
+    # its process group's collectives outwait what rank 0 does alone (the held-out evaluation, 30 min
+    # by default, while the other ranks wait): DeepSpeed's 10-minute default ended every rank
+    gloo = torch.distributed.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    assert gloo.options._timeout == collective_timeout(make_cfg(), env={}) > timedelta(minutes=30)
     b = batch(0, on_policy_model=tr.module)
     losses = [tr.train_step(b)["loss"] for _ in range(4)]
     assert all(math.isfinite(x) for x in losses)
@@ -792,18 +798,3 @@ def test_an_old_checkpoint_another_rank_removed_first_is_no_error(tmp_path):
     remove_tree(tmp_path / "step000002")
     assert not (tmp_path / "step000002").exists()
 
-
-def test_collectives_outwait_what_rank_0_does_alone():
-    """Rank 0 alone runs the held-out evaluation (eval.timeout_s: 30 minutes by default) while the
-    other ranks wait in their next collective; DeepSpeed's 10-minute default ended them all."""
-    from datetime import timedelta
-
-    import torch
-
-    from toolrl.learner.dist_env import collective_timeout
-
-    make_trainer()  # the process group exists once a trainer does
-    cfg = make_cfg()
-    gloo = torch.distributed.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-    assert gloo.options._timeout == collective_timeout(cfg, env={})
-    assert collective_timeout(cfg, env={}) > timedelta(seconds=cfg.eval.timeout_s + cfg.learner.batch_timeout_s)

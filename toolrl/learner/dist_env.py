@@ -196,13 +196,14 @@ def collective_timeout(cfg, env: Mapping[str, str] | None = None) -> timedelta:
     """How long a rank waits in a collective: longer than rank 0 can work alone while the others
     wait in their next one. Rank 0 alone runs the held-out evaluation (up to 300 s to find a worker,
     then eval.timeout_s), waits for its batch (learner.batch_timeout_s) and pushes the weights
-    (learner.sync_timeout_s a request). DeepSpeed's default of 10 minutes ended every rank of a
-    multi-rank run in the middle of a long evaluation (found in an audit). DEEPSPEED_TIMEOUT
-    (minutes), when set, is the user's choice and wins. A rank that dies is seen at once: only a
-    hung one waits this long."""
+    (learner.sync_timeout_s a request, tried sync_retries + 1 times; a second round for workers that
+    need them whole). DeepSpeed's default of 10 minutes ended every rank of a multi-rank run in the
+    middle of a long evaluation (found in an audit). DEEPSPEED_TIMEOUT (minutes), when set, is the
+    user's choice and wins. A rank that dies ends gloo's collectives at once (its sockets close);
+    across nodes under NCCL, a dead or hung rank is seen only after this long."""
     env = os.environ if env is None else env
     if env.get("DEEPSPEED_TIMEOUT"):
         return timedelta(minutes=int(env["DEEPSPEED_TIMEOUT"]))
     alone = (min(300.0, cfg.eval.timeout_s) + cfg.eval.timeout_s + cfg.learner.batch_timeout_s
-             + 2 * cfg.learner.sync_timeout_s)
+             + 2 * (cfg.learner.sync_retries + 1) * cfg.learner.sync_timeout_s)
     return timedelta(seconds=max(600.0, alone + 300.0))
