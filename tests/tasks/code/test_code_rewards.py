@@ -301,6 +301,12 @@ def test_outputs_are_compared_alike_whatever_their_length_and_values_by_value(cl
     call = TestSpec("call", fn_name="f", inputs=[[1], [2], [3]], outputs=[[2.0], [True], [[1, 2.5]]])
     honest = "def f(x):\n    return [2, 1, [1.0, 2.5]][x - 1]\n"
     assert score(client, [honest, "def f(x):\n    return 0\n"], call) == [3, 0]
+    # ...and where only one side is long enough to travel as a hash (found in review, 2026-11-30)
+    spaced = TestSpec("stdio", inputs=["30\n"], outputs=[" ".join(map(str, range(30)))])
+    assert score(client, ["print('  '.join(map(str, range(int(input())))))\n"], spaced) == [1]
+    floats = TestSpec("call", fn_name="f", inputs=[[20]], outputs=[list(range(20))])
+    assert score(client, ["def f(n):\n    return [float(i) for i in range(n)]\n",
+                          "def f(n):\n    return [i + 0.5 for i in range(n)]\n"], floats) == [1, 0]
 
 
 def test_partial_credit_survives_a_hang_or_an_exit_in_any_test(client):
@@ -460,6 +466,13 @@ def test_what_the_task_defines_is_never_the_programs_to_answer_for(client):
     imported = TestSpec("assert", tests=area.tests, program_setup="import math")  # MBPP's setup importing
     assert score(client, [agrees + "import sys\nsys.modules['math'] = M()\ndef area(r):\n    return -1\n"],
                  imported) == [0]
+    # a callable the setup imports is ours too, and `from k import k` stays k.k for the tests
+    sqrt = TestSpec("assert", tests=["assert root(16) == sqrt(16)", "assert clone([1, [2]]) == copy([1, [2]])"],
+                    program_setup="from math import sqrt")
+    honest_sqrt = ("from copy import copy\nimport math\ndef root(x):\n    return math.sqrt(x)\n"
+                   "def clone(x):\n    return copy(x)\n")
+    patched = "import math\nmath.sqrt = lambda x: 7.0\ndef root(x):\n    return 7.0\n"
+    assert score(client, [honest_sqrt, patched], sqrt) == [2, 0]
 
     data = TestSpec("assert", tests=["assert sort_it(DATA) == sorted(DATA)", "assert count(DATA) == len(DATA)",
                                      "assert first(DATA) == DATA[0]", "assert is_sorted(sort_it([9, 8]))",

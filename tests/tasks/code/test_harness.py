@@ -11,24 +11,25 @@ import pytest
 from test_code_rewards import frame_forger  # tests/tasks/code/ is on sys.path (pytest prepends it)
 
 from toolrl.tasks.code import companion, harness
-from toolrl.tasks.code.judge import (COMPANION, HARNESS, TEST_MODULES, HarnessFailed, TestSpec, build_harness, judge,
-                                     new_nonce)
+from toolrl.tasks.code.judge import (COMPANION, COMPANION_BOOT_S, HARNESS, TEST_MODULES, HarnessFailed, TestSpec,
+                                     build_harness, judge, new_nonce)
 
 
 def test_the_harness_sent_is_the_functions_source_and_needs_nothing_from_its_module():
-    sources = [inspect.getsource(f) for f in (harness._toolrl_digest, companion._toolrl_codec, harness._toolrl_harness)]
+    shipped = (harness._toolrl_digest, harness._toolrl_value_json, companion._toolrl_codec, harness._toolrl_harness)
+    sources = [inspect.getsource(f) for f in shipped]
     assert HARNESS == "\n\n".join(sources)
     assert COMPANION.startswith(inspect.getsource(companion._toolrl_codec)) and COMPANION.endswith(
         inspect.getsource(companion._toolrl_companion) + "\n_toolrl_companion(3, 4)\n")
     # self-contained: no toolrl inside, and the runs below are `python -c` of this source alone
     for text in (HARNESS, COMPANION):
-        assert "toolrl" not in re.sub(r"_toolrl_(harness|digest|codec|companion)", "", text)
+        assert "toolrl" not in re.sub(r"_toolrl_(harness|digest|value_json|codec|companion)", "", text)
     code, stdin = build_harness("x = 1", TestSpec("assert", tests=["assert x == 1"]), 1.0, "N")
     assert code.startswith(HARNESS) and code.endswith(f"\n_toolrl_harness('x = 1', {COMPANION!r})\n")
     # the tests travel on stdin after the nonce's line, never in the code a program's process could read
     assert "assert x == 1" not in code and stdin == "N\n" + json.dumps(
         {"kind": "assert", "per_test_timeout_s": 1.0, "tests": ["assert x == 1"], "setup": "", "program_setup": "",
-         "entry_point": None, "prompt": "", "modules": list(TEST_MODULES)})
+         "entry_point": None, "prompt": "", "modules": list(TEST_MODULES), "boot_timeout_s": COMPANION_BOOT_S})
 
 
 def run_plain(program: str, spec: TestSpec, cwd=None, prelude=""):
@@ -111,3 +112,14 @@ def test_a_restart_the_program_stops_fails_its_tests_and_is_not_the_sandboxs_fai
     itself unscored and drop its whole group (found in review). Only a first start is the sandbox's."""
     res = run_plain(FREEZER, ADD)
     assert (res.passed, res.total) == (0, 2)
+
+
+def test_a_slow_start_of_the_programs_process_is_not_the_programs_time(tmp_path):
+    """The interpreter's start counted against the first test's time: on a loaded CI host a start
+    past it left the sample unscored (2026-11-30). Here the interpreter takes 3 s to start, past the
+    2 s a test has, and the program still gets its whole time."""
+    slow = tmp_path / "slow-python"
+    slow.write_text(f"#!/bin/sh\nsleep 3\nexec {sys.executable} \"$@\"\n")
+    slow.chmod(0o755)
+    res = run_plain("def add(a, b):\n    return a + b\n", ADD, prelude=f"import sys\nsys.executable = {str(slow)!r}\n")
+    assert (res.passed, res.total) == (2, 2)

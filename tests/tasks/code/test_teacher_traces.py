@@ -54,7 +54,7 @@ def test_traces_are_collected_scored_and_kept_only_when_they_pass(server, tmp_pa
     assert stats["requested"] == 9 and stats["answered"] == 9 and stats["failed_requests"] == 0
     kept = [json.loads(x) for x in out.read_text().splitlines()]
     rejected = [json.loads(x) for x in rej.read_text().splitlines()]
-    assert len(kept) + len(rejected) == 9 and stats["kept"] == len(kept)
+    assert len(kept) + len(rejected) == 9 and stats["kept"] == len(kept), (stats, p.stderr[-3000:])  # why unscored
     assert kept, "SmolLM2 solved none of add / is_even / nth_prime in 9 seeded tries"
     assert all(set(r) >= {"id", "thinking", "code", "passed", "total"} for r in kept + rejected)
     # re-scored independently: every kept trace passes, every rejected one does not

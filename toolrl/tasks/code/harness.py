@@ -12,17 +12,19 @@ digest, ...) the program cannot rebind.
 from toolrl.tasks.code.companion import _toolrl_codec  # noqa: F401  (sent beside the harness: judge.HARNESS)
 
 
-def _toolrl_digest(text):
+def _toolrl_digest(text, whole=False):
     """An output as reported: itself while its JSON is at most 100 bytes, else the SHA-256 of its
     canonical form (tokens, numbers to 6 decimals), so a report line stays small whatever the program
     prints (found in review: 200 emoji took 2.4 KB of escapes, and a few such lines pushed the reports
     past the executor's output cap, which leaves a sample unscored), and a long output meets the
     tolerance the judge gives a short one token by token (found in review: a double space or float
-    noise failed for long outputs only). Sent with the harness and used by the judge."""
+    noise failed for long outputs only). `whole`: the hash whatever the length (the judge's side, for
+    an expected output the harness's may have been sent as). Sent with the harness and used by the
+    judge."""
     import hashlib
     import json
 
-    if len(text) <= 100 and len(json.dumps(text)) <= 100:
+    if not whole and len(text) <= 100 and len(json.dumps(text)) <= 100:
         return text
     out = []
     for tok in text.split():
@@ -32,6 +34,27 @@ def _toolrl_digest(text):
             f = None
         out.append(format(round(f, 6) + 0.0, ".6f") if f is not None and abs(f) < float("inf") else tok)
     return {"sha256": hashlib.sha256(" ".join(out).encode()).hexdigest()}
+
+
+def _toolrl_value_json(value):
+    """A returned value's JSON as Python's == sees it (APPS's grader compares so): integral floats
+    and bools as ints, keys sorted, so that equal values hash alike when a long one travels as a hash
+    (found in review: [0.0, 1.0, ...] for range(20) failed once it was hashed). Sent with the harness
+    and used by the judge."""
+    import json
+
+    def norm(v):
+        if type(v) is bool:
+            return int(v)
+        if type(v) is float and v == v and abs(v) != float("inf") and v == int(v):
+            return int(v)
+        if type(v) is list:
+            return [norm(x) for x in v]
+        if type(v) is dict:
+            return {k: norm(x) for k, x in v.items()}
+        return v
+
+    return json.dumps(norm(json.loads(json.dumps(value, default=list))), sort_keys=True)
 
 
 def _toolrl_harness(program, companion):
@@ -45,7 +68,7 @@ def _toolrl_harness(program, companion):
     import sys
     import time
     write, exit_, read, settrace, setprofile = os.write, os._exit, os.read, sys.settrace, sys.setprofile
-    digest = _toolrl_digest  # sent beside this function
+    digest, value_json = _toolrl_digest, _toolrl_value_json  # sent beside this function
     sleep = time.sleep
     listdir, dup, dup2, lseek, memfd, close = os.listdir, os.dup, os.dup2, os.lseek, os.memfd_create, os.close
     # The nonce's line, then the tests: on stdin, never in this script's text
@@ -250,6 +273,7 @@ def _toolrl_harness(program, companion):
         program_setup = spec.get("program_setup") or ""  # runs beside the program, holds no expected value
         prompt = spec.get("prompt") or ""  # HumanEval's prompt: its helpers are the task's
         modules = spec.get("modules") or ()  # standard modules the tests may use unimported
+        boot_s = spec.get("boot_timeout_s") or 20.0  # for the program's process to start, beside its time
         spec.clear()
         linecache.clearcache()
 
@@ -342,6 +366,10 @@ def _toolrl_harness(program, companion):
                 Fatal when it cannot start (then nothing of it is left)."""
                 self.gen += 1
                 to_r = from_w = None  # the companion's ends; ours are self.rfd and self.wfd (stop() closes them)
+                # The first start is not the program's time: on a loaded host it took longer than a
+                # test's whole time, and the sample was left unscored (CI, 2026-11-30). A restart
+                # (after the program timed out or exited) is the program's doing, in its test's time.
+                left = signal.setitimer(signal.ITIMER_REAL, boot_s)[0] if self.gen == 1 else None
                 try:
                     to_r, self.wfd = os.pipe()  # pipes: nothing more to import
                     self.rfd, from_w = os.pipe()
@@ -369,6 +397,9 @@ def _toolrl_harness(program, companion):
                             close(fd)
                     self.stop()
                     raise Fatal(f"the program's process did not start ({type(exc).__name__}: {exc})") from None
+                finally:
+                    if left is not None:
+                        signal.setitimer(signal.ITIMER_REAL, left)  # the program's time as it was (0: none)
                 if first != ["boot"]:  # exec failed, or it could not drop its capabilities
                     self.stop()
                     raise Fatal(first[1] if type(first) is list and len(first) == 2 and first[0] == "fatal"
@@ -497,9 +528,12 @@ def _toolrl_harness(program, companion):
         for k in modules:
             if k in base and k != entry:
                 try:
-                    base[k] = sys.modules.get(k) or __import__(k)
+                    module = sys.modules.get(k) or __import__(k)
                 except BaseException:
                     del base[k]
+                    continue
+                # `import k` gives the module; `from k import k` (datetime, copy, random) our own k.k
+                base[k] = module if names[k][0] == "m" else getattr(module, k, module)
         # What the task itself defines comes from here, never from the program (found in review): the
         # prompt's helpers (HumanEval/32's `poly`, /38's `encode_cyclic`, which the tests call to make
         # their inputs), and the plain values, functions and modules of the setup that runs beside the
@@ -517,7 +551,10 @@ def _toolrl_harness(program, companion):
                 comp.stop()
                 exit_(0)
             for k, v in own.items():
-                if not k.startswith("_") and k != entry and (type(v) in (type(os), function) or plain(v, [0])):
+                if k.startswith("_") or k == entry:
+                    continue
+                mine = isinstance(v, type) and v.__module__ == "__main__"  # a class the setup defines
+                if type(v) in (type(os), function, type(len)) or plain(v, [0]) or (isinstance(v, type) and not mine):
                     base[k] = v
         base.update(__name__="__main__", __builtins__=builtins, __harness_checked__=checked)
         if setup is not None:
@@ -595,7 +632,8 @@ def _toolrl_harness(program, companion):
             ns2 = dict(ns, _fn=fn, _args=args, _out=None)
             try:
                 run(compile("_out = _fn(*_args)", "<test>", "exec"), ns2, timeout)
-                report(i, True, digest(json.dumps(json.loads(json.dumps(ns2["_out"], default=list)), sort_keys=True)))
+                payload = digest(json.dumps(json.loads(json.dumps(ns2["_out"], default=list)), sort_keys=True))
+                report(i, True, payload if type(payload) is str else digest(value_json(ns2["_out"]), True))
             except BaseException as exc:
                 report(i, False, type(exc).__name__)
     sys.stdout, sys.stderr = saved_stdout, saved_stderr

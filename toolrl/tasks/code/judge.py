@@ -44,7 +44,7 @@ from toolrl.executor.client import ExecutorError
 from toolrl.executor.forkserver.capture import MARKER
 from toolrl.format import extract_code
 from toolrl.tasks.code.companion import _toolrl_codec, _toolrl_companion
-from toolrl.tasks.code.harness import _toolrl_digest, _toolrl_harness
+from toolrl.tasks.code.harness import _toolrl_digest, _toolrl_harness, _toolrl_value_json
 
 # ---------------------------------------------------------------------------------------------
 # The tests of one task
@@ -109,8 +109,13 @@ TEST_MODULES = ("math", "cmath", "re", "collections", "itertools", "functools", 
                 "string", "statistics", "decimal", "fractions", "copy", "json", "random", "typing", "datetime",
                 "array")
 
+# How long the program's own process (assert tasks) may take to start, not counted in its time: a
+# fresh interpreter starts in ~20 ms, but on a loaded host with a slow disk it took seconds
+COMPANION_BOOT_S = 20.0
+
 # what the executor runs: these functions alone; the companion is what the harness starts for the program
-HARNESS = "\n\n".join(inspect.getsource(f) for f in (_toolrl_digest, _toolrl_codec, _toolrl_harness))
+HARNESS = "\n\n".join(inspect.getsource(f) for f in (_toolrl_digest, _toolrl_value_json, _toolrl_codec,
+                                                      _toolrl_harness))
 COMPANION = ("\n\n".join(inspect.getsource(f) for f in (_toolrl_codec, _toolrl_companion))
              + "\n_toolrl_companion(3, 4)\n")
 
@@ -122,7 +127,8 @@ def build_harness(program: str, spec: TestSpec, per_test_timeout_s: float, nonce
     inner = {"kind": spec.kind, "per_test_timeout_s": per_test_timeout_s}
     if spec.kind == "assert":
         inner.update(tests=spec.tests, setup=spec.setup, program_setup=spec.program_setup,
-                     entry_point=spec.entry_point, prompt=spec.code_prompt, modules=TEST_MODULES)
+                     entry_point=spec.entry_point, prompt=spec.code_prompt, modules=TEST_MODULES,
+                     boot_timeout_s=COMPANION_BOOT_S)
     else:
         inner.update(inputs=spec.inputs, fn_name=spec.fn_name)
     code = f"{HARNESS}\n\n{_toolrl_harness.__name__}({program!r}, {COMPANION!r})\n"
@@ -176,9 +182,9 @@ def _tokens_close(got: str, want: str) -> bool:
 
 def _stdout_matches(payload, want) -> bool:
     want = _norm_stdout(want)
-    if payload == _digest(want):
-        return True
-    return isinstance(payload, str) and _tokens_close(payload, want)
+    if isinstance(payload, dict):  # sent as its canonical hash: against want's, whatever want's length
+        return payload == _digest(want, whole=True)
+    return isinstance(payload, str) and (payload == want or _tokens_close(payload, want))
 
 
 def _value_matches(payload, want) -> bool:
@@ -194,7 +200,7 @@ def _value_matches(payload, want) -> bool:
         except ValueError:
             return False
         return any(_same(got, w) for w in options)
-    return any(payload == _digest(json.dumps(w, default=list, sort_keys=True)) for w in options)
+    return any(payload == _digest(_toolrl_value_json(w), whole=True) for w in options)
 
 
 def _same(got, want) -> bool:
@@ -303,7 +309,8 @@ def _requests(programs: list[str | None], specs: list[TestSpec], per_test_timeou
             results.append(TestResult(0, spec.total, "syntax", "the code does not parse"))
         else:
             nonce = new_nonce()
-            budget = min(max_timeout_s, per_test_timeout_s * (spec.total + 1) + 1.0)
+            budget = min(max_timeout_s, per_test_timeout_s * (spec.total + 1) + 1.0
+                         + (COMPANION_BOOT_S if spec.kind == "assert" else 0.0))
             code, stdin = build_harness(program, spec, per_test_timeout_s, nonce)
             todo.append((len(results), spec, nonce, ExecRequest(code=code, timeout_s=budget, stdin=stdin)))
             results.append(None)
