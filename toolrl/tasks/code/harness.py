@@ -270,7 +270,7 @@ def _toolrl_harness(program, companion):
         except BaseException as exc:
             report(-1, False, type(exc).__name__)
             exit_(0)
-        program_setup = spec.get("program_setup") or ""  # runs beside the program, holds no expected value
+        program_setup = spec.get("program_setup") or ""  # runs beside the program, and here for the tests
         prompt = spec.get("prompt") or ""  # HumanEval's prompt: its helpers are the task's
         modules = spec.get("modules") or ()  # standard modules the tests may use unimported
         boot_s = spec.get("boot_timeout_s") or 20.0  # for the program's process to start, beside its time
@@ -536,9 +536,9 @@ def _toolrl_harness(program, companion):
                 base[k] = module if names[k][0] == "m" else getattr(module, k, module)
         # What the task itself defines comes from here, never from the program (found in review): the
         # prompt's helpers (HumanEval/32's `poly`, /38's `encode_cyclic`, which the tests call to make
-        # their inputs), and the plain values, functions and modules of the setup that runs beside the
-        # program (MBPP's test_setup_code). Its classes and the objects built of them stay the
-        # program's, to be handed to it.
+        # their inputs), and what the setup that runs beside the program binds (MBPP's
+        # test_setup_code): plain values, functions, modules, imported callables and classes. Only
+        # its own classes and the objects built of them stay the program's, to be handed to it.
         function = type(report)
         for src, label in ((prompt, "<prompt>"), (program_setup, "<setup>")):
             if not src:
@@ -632,8 +632,7 @@ def _toolrl_harness(program, companion):
             ns2 = dict(ns, _fn=fn, _args=args, _out=None)
             try:
                 run(compile("_out = _fn(*_args)", "<test>", "exec"), ns2, timeout)
-                payload = digest(json.dumps(json.loads(json.dumps(ns2["_out"], default=list)), sort_keys=True))
-                report(i, True, payload if type(payload) is str else digest(value_json(ns2["_out"]), True))
+                report(i, True, digest(value_json(ns2["_out"])))
             except BaseException as exc:
                 report(i, False, type(exc).__name__)
     sys.stdout, sys.stderr = saved_stdout, saved_stderr

@@ -57,8 +57,9 @@ class TestSpec:
     tests: list[str] = field(default_factory=list)  # assert: one snippet per test
     setup: str = ""  # assert: run once by the tests, after the program (HumanEval's check, MBPP's test_imports)
     # assert: run in the program's own process right after it (MBPP's test_setup_code), so that what
-    # it builds (a tree of its own Node class) is the program's to take. The program can read and
-    # change it: it must hold no expected value and no check.
+    # it builds (a tree of its own Node class) is the program's to take; the harness runs it too, and
+    # the tests get all it binds but its own classes and their objects from that run. The program
+    # can read it: it must hold no expected value.
     program_setup: str = ""
     entry_point: str | None = None  # assert: bound to `candidate` (HumanEval)
     inputs: list = field(default_factory=list)  # stdio: stdin texts; call: argument lists

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from toolrl.config import add_config_args, config_from_args
 from toolrl.executor.client import AsyncExecutorClient, ExecutorError
+from toolrl.net import AUTH_REFUSED
 from toolrl.executor.local import ExecutorRefused, executor_available
 from toolrl.prompts import load_chat_prompt
 from toolrl.tasks.base import DataError, Problem
@@ -81,7 +82,7 @@ def check_server(base_url: str, model: str, api_key: str | None, retries: int = 
     else:
         raise TeacherError(f"cannot reach {base_url} ({err}): is the server up, and is --base-url its /v1 URL?")
     root = "--base-url should be the server's OpenAI API root, e.g. http://127.0.0.1:8000/v1"
-    if resp.status_code in (401, 403):
+    if resp.status_code in AUTH_REFUSED:
         raise TeacherError(f"{url}: HTTP {resp.status_code}: the server wants a key (--api-key or OPENAI_API_KEY)")
     if resp.status_code != 200:
         raise TeacherError(f"{url}: HTTP {resp.status_code}: {root}")
