@@ -54,6 +54,11 @@ def bearer_auth(token: str | None) -> Callable:
     return check
 
 
+# A service refusing the token (wrong or missing): every request will be refused alike, so the caller
+# stops and says why instead of retrying or dropping one piece of work after another
+AUTH_REFUSED = (401, 403)
+
+
 def auth_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 

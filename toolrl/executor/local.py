@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from toolrl.config import TOKEN_ENV, Config
-from toolrl.net import LocalService, auth_headers, free_port
+from toolrl.net import AUTH_REFUSED, LocalService, auth_headers, free_port
 
 
 class LocalExecutor(LocalService):
@@ -43,7 +43,7 @@ def executor_available(cfg: Config, log=print):
                            timeout=2).status_code
     except httpx.HTTPError:
         status = None
-    if status in (401, 403):
+    if status in AUTH_REFUSED:
         raise ExecutorRefused(f"the executor at {cfg.executor.url} refuses "
                               f"{'our token' if cfg.executor.token else 'requests without a token'}: set "
                               f"executor.token or {TOKEN_ENV['executor']} to its token (RUN_DIR/tokens.env)")

@@ -20,6 +20,7 @@ from typing import AsyncIterator, Protocol
 
 from toolrl.config import Config
 from toolrl.executor.client import ExecutorError
+from toolrl.net import AUTH_REFUSED
 from toolrl.grpo import zero_variance
 from toolrl.protocol import Sample
 from toolrl.tasks import Problem, get_task, problem_stream
@@ -189,7 +190,7 @@ class Producer:
         try:
             tests = await a.run_tests(problem, rolls)
         except ExecutorError as exc:
-            if exc.status_code in (401, 403):
+            if exc.status_code in AUTH_REFUSED:
                 raise  # a wrong token refuses every test run: stop, and say why
             self.stats.unscored_groups += 1
             log.warning("could not run the tests of %s, group dropped: %s", problem.id, exc)
@@ -282,7 +283,7 @@ class Producer:
             return None
         if task.exception() is not None:
             exc = task.exception()
-            if isinstance(exc, ExecutorError) and exc.status_code in (401, 403):
+            if isinstance(exc, ExecutorError) and exc.status_code in AUTH_REFUSED:
                 raise exc  # a refused token refuses every program: stop now, and say why
             # One broken group must not take the worker down; a persistent failure must.
             self.stats.failed_groups += 1

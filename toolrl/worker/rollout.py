@@ -24,6 +24,7 @@ from toolrl.config import RolloutConfig
 from toolrl.worker.engine import GenOut
 from toolrl.format import ends_inside_stop, extract_program, format_tool_result, stop_strings
 from toolrl.executor.client import ExecutorRequestError, ExecutorUnavailable
+from toolrl.net import AUTH_REFUSED
 from toolrl.protocol import StopReason, ToolCall
 from toolrl.weightsync.gate import Segment
 
@@ -247,7 +248,7 @@ class ExecutorTool:
             return ToolCall(code=code, status="unavailable",
                             output=f"Error: the Python executor is unavailable ({exc})\n")
         except ExecutorRequestError as exc:
-            if exc.status_code in (401, 403):
+            if exc.status_code in AUTH_REFUSED:
                 raise  # a wrong token refuses every program: stop, and say why (not one left-out group after another)
             self.errors += 1
             return ToolCall(code=code, status="unavailable",

@@ -23,7 +23,7 @@ import uvicorn
 from tqdm import tqdm
 
 from toolrl.config import Config
-from toolrl.net import http_protocol, warn_if_open
+from toolrl.net import AUTH_REFUSED, http_protocol, warn_if_open
 from toolrl.protocol import sample_record
 from toolrl.refserver.client import AsyncRefServerClient, RefServerError, RefServerUnavailable
 from toolrl.tasks import get_task
@@ -175,7 +175,7 @@ async def upload_loop(worker: GenWorker, ref, max_groups: int | None = None) -> 
         try:
             await ref.upload(group, grant_id=grant)
         except RefServerError as exc:
-            if exc.status in (401, 403):
+            if exc.status in AUTH_REFUSED:
                 raise  # a wrong token refuses every upload: stop, and say why
             # The server refused this group itself (a sample it cannot use): sending it again would
             # be refused again. It is left out and counted, and the worker goes on with the next.
