@@ -1,9 +1,12 @@
 """Faults through launch.sh itself, as a user meets them (every service with its per-run token):
 the executor dies and launch.sh restarts it; the last gen worker dies and launch.sh stops everything
-cleanly; `launch.sh --resume` continues from the checkpoint; the learner is killed and launch.sh
-stops everything, and resumes again, with no gen worker of its own, waiting for one to join; the
-reference server dies and everything stops."""
+cleanly; `launch.sh --resume` continues from the checkpoint; Ctrl-C saves the step the learner
+reached, and --resume continues from it, with no gen worker of its own, waiting for one to join; the
+learner is killed and launch.sh stops everything; the reference server dies and everything stops;
+Ctrl-C twice stops a learner that cannot save. One test, so that each phase starts from the last
+one's run rather than from a new one (each start of the whole system costs minutes of the suite)."""
 import json
+import re
 import os
 import signal
 import subprocess
@@ -78,6 +81,7 @@ def stopped_cleanly(launch: subprocess.Popen, ports: dict, timeout_s: float = 12
     return out
 
 
+@pytest.mark.timeout(1800)  # seven phases, five starts of the whole system: 6-11 minutes in the suite
 def test_faults_through_launch_sh(tmp_path):
     run_dir = tmp_path / "run"
     ports = {"ex": free_port(), "ref": free_port(), "w": free_port()}
@@ -106,7 +110,7 @@ def test_faults_through_launch_sh(tmp_path):
         # 3. launch.sh --resume continues from that checkpoint, the worker's stream handed back
         learner_log = run_dir / "logs" / "learner.log"
         learner_log.rename(tmp_path / "learner.before.log")  # the last run went past the checkpoint
-        launch = start(run_dir, ports, "--resume")
+        launch = start(run_dir, ports, "--resume", "--set", "learner.checkpoint_every=1000")
         wait_for("the learner restarts", learner_log.is_file, 120, launch)
         wait_for("the resumed learner steps", lambda: f"step {ckpt + 1}/{STEPS}" in learner_log.read_text(), 900,
                  launch)
@@ -116,31 +120,59 @@ def test_faults_through_launch_sh(tmp_path):
         wait_for("the worker continues its stream from the checkpoint", lambda: "resumed problem stream at level"
                  in (run_dir / "logs" / "gen_worker_0.log").read_text(), 60, launch)
 
-        # 4. the learner is killed: launch.sh stops everything and says the learner failed; a second
-        # --resume continues from the newest checkpoint
-        wait_for("a checkpoint after the resume", lambda: int((run_dir / "checkpoints" / "latest").read_text()
-                                                              .strip().removeprefix("step")) > ckpt, 600, launch)
-        for pid in pids_of("learner.py", ports["ref"]):  # the launcher and its rank: both name the ref server
-            os.kill(pid, signal.SIGKILL)
+        # 4. Ctrl-C (a preemption's SIGTERM alike) while the learner is mid-step: it is stopped first and
+        # saves the step it reached, which --resume continues from. Its ranks alone get the signal: the
+        # deepspeed launcher SIGKILLs them 30 s after it gets one, and a CPU step of the demo can take
+        # longer; here the rank is frozen for 40 s, as a long step would hold it. SIGTERM, as a job
+        # scheduler sends: a suite run in the background (nohup, CI) starts launch.sh with SIGINT
+        # ignored, which no trap can undo. This run saves no checkpoint of its own (checkpoint_every).
+        wait_for("two steps past the checkpoint", lambda: steps_done(run_dir) >= ckpt + 2, 600, launch)
+        ranks = learner_ranks(ports["ref"])
+        assert len(ranks) == 1, ranks
+        os.kill(ranks[0], signal.SIGSTOP)
+        os.killpg(launch.pid, signal.SIGTERM)
+        time.sleep(40)
+        try:
+            os.kill(ranks[0], signal.SIGCONT)
+        except ProcessLookupError:
+            raise AssertionError("the learner's rank was killed before it could save: its launcher's "
+                                 "30 s grace ran out") from None
         out = stopped_cleanly(launch, ports)
-        assert launch.returncode == 1 and "learner failed" in out, out[-2000:]
-        ckpt = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
-        learner_log.rename(tmp_path / "learner.killed.log")
-        # this time with no gen worker of its own (--workers 0, as configs/slurm.sbatch's node 0):
-        # launch.sh waits for one to join instead of stopping for want of one
+        assert launch.returncode == 130 and "the learner saves a checkpoint first" in out, out[-2000:]
+        assert "the learner is finishing its step to save it (30 s of launch.stop_timeout_s 180 s" in out, out[-2000:]
+        text = learner_log.read_text()
+        m = re.search(r"stopped by SIGTERM after step (\d+); continue with --resume", text)
+        assert m and int(m[1]) >= ckpt + 2, text[-3000:]
+        assert m[0] in out, out[-2000:]  # launch.sh passes the learner's last word on
+        assert "Traceback" not in text, text[-3000:]
+        ckpt = int(m[1])
+        assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{ckpt:06d}"
+        learner_log.rename(tmp_path / "learner.stopped.log")
+
+        # 5. --resume continues from the stop's checkpoint, this time with no gen worker of its own
+        # (--workers 0, as configs/slurm.sbatch's node 0): launch.sh waits for one to join instead of
+        # stopping for want of one. Then the learner is killed: launch.sh stops everything and says the
+        # learner failed
         launch = start(run_dir, ports, "--resume", "--workers", "0")
         wait_for("the learner resumes again", lambda: learner_log.is_file()
                  and f"resumed at step {ckpt}" in learner_log.read_text(), 900, launch)
         time.sleep(8)  # several rounds of launch.sh's watch
         assert launch.poll() is None and "waiting for workers to join" in launch.out.read_text()
+        for pid in pids_of("learner.py", ports["ref"]):  # the launcher and its rank: both name the ref server
+            os.kill(pid, signal.SIGKILL)
+        out = stopped_cleanly(launch, ports)
+        assert launch.returncode == 1 and "learner failed" in out, out[-2000:]
 
-        # 5. the reference server dies: everything stops
+        # 6. the reference server dies: everything stops
+        launch = start(run_dir, ports, "--resume", "--workers", "0")
+        wait_for("the learner waits for workers", lambda: "waiting for workers to join" in launch.out.read_text(),
+                 900, launch)
         for pid in pids_of("ref_server.py", ports["ref"]):
             os.kill(pid, signal.SIGKILL)
         out = stopped_cleanly(launch, ports)
         assert launch.returncode == 1 and "ref_server died; stopping" in out, out[-2000:]
 
-        # 6. Ctrl-C twice: the first waits for the learner's checkpoint (here it never comes: the
+        # 7. Ctrl-C twice: the first waits for the learner's checkpoint (here it never comes: the
         # learner is frozen), the second stops everything at once, the learner included
         launch = start(run_dir, ports, "--resume", "--workers", "0")
         wait_for("the learner waits for workers", lambda: "waiting for workers to join" in launch.out.read_text(),
@@ -189,43 +221,3 @@ def learner_ranks(ref_port: int) -> list[int]:
         if first.endswith(b"learner.py"):
             ranks.append(pid)
     return ranks
-
-
-def test_ctrl_c_saves_the_steps_trained_since_the_last_checkpoint(tmp_path):
-    """Ctrl-C on launch.sh (a preemption's SIGTERM alike) killed the learner with everything else:
-    every step since its last `checkpoint_every` save was lost. Now the learner is stopped first and
-    saves a checkpoint of the step it reached, which --resume continues from. Its ranks alone get the
-    signal: the deepspeed launcher SIGKILLs them 30 s after it gets one, and a CPU step of the demo can
-    take longer. Here the rank is frozen for 40 s, as a long step would hold it."""
-    import re
-
-    ports = {"ex": free_port(), "ref": free_port(), "w": free_port()}
-    run_dir = tmp_path / "run"
-    launch = start(run_dir, ports, "--set", "learner.checkpoint_every=1000")  # none but the stop's
-    try:
-        wait_for("three steps", lambda: steps_done(run_dir) >= 3, 900, launch)
-        ranks = learner_ranks(ports["ref"])
-        assert len(ranks) == 1, ranks
-        os.kill(ranks[0], signal.SIGSTOP)
-        # Ctrl-C's path (launch.sh traps INT and TERM alike). SIGTERM, as a job scheduler sends: a suite
-        # run in the background (nohup, CI) starts launch.sh with SIGINT ignored, which no trap can undo
-        os.killpg(launch.pid, signal.SIGTERM)
-        time.sleep(40)
-        try:
-            os.kill(ranks[0], signal.SIGCONT)
-        except ProcessLookupError:
-            raise AssertionError("the learner's rank was killed before it could save: its launcher's "
-                                 "30 s grace ran out") from None
-        out = stopped_cleanly(launch, ports)
-    finally:
-        if launch.poll() is None:
-            os.killpg(launch.pid, signal.SIGTERM)
-            launch.wait(60)
-    assert launch.returncode == 130 and "the learner saves a checkpoint first" in out, out[-2000:]
-    assert "the learner is finishing its step to save it (30 s of launch.stop_timeout_s 180 s" in out, out[-2000:]
-    log = (run_dir / "logs" / "learner.log").read_text()
-    m = re.search(r"stopped by SIGTERM after step (\d+); continue with --resume", log)
-    assert m and int(m[1]) >= 3, log[-3000:]
-    assert m[0] in out, out[-2000:]  # launch.sh passes the learner's last word on
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{int(m[1]):06d}"
-    assert "Traceback" not in log, log[-3000:]
