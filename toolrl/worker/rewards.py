@@ -141,6 +141,12 @@ _verifier = Verifier()
 atexit.register(_verifier.close)  # shut the child down before interpreter teardown, quietly
 
 
+def verifier_counts() -> dict:
+    """For the worker's /stats: answers whose verification hung (killed at its timeout, not correct)
+    and math-verify children that crashed (the answer tried once more in a fresh one)."""
+    return {"verifier_timeouts": _verifier.timeouts, "verifier_crashes": _verifier.crashes}
+
+
 def is_correct(pred: str | None, gold: str, timeout_s: float = 5.0) -> bool:
     if (plain := grade_plainly(pred, gold)) is not None:  # no answer, the same text, or numbers
         return plain

@@ -33,6 +33,7 @@ from toolrl.worker.agent import Agent
 from toolrl.worker.app import build_app
 from toolrl.worker.engine import VllmEngine
 from toolrl.worker.producer import Producer, Stats
+from toolrl.worker.rewards import verifier_counts
 
 log = logging.getLogger("gen_worker")
 
@@ -100,7 +101,7 @@ class GenWorker:
                  generating_requests=len(getattr(self.agent.engine, "active", ())),
                  interrupted_requests=self.gate.interrupted,
                  tool_executor_errors=self.agent.tool.errors, level=self.producer.level,
-                 engine_threads=self.engine_threads)
+                 engine_threads=self.engine_threads, **verifier_counts())
         return d
 
     def resume(self, state: dict) -> None:
