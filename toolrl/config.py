@@ -162,6 +162,9 @@ class RefServerConfig(Section):
     # leaves every window to its replicas (a front for many reference GPUs).
     local_reference: bool = True
     replica_lease_s: float = Field(300.0, gt=0)
+    # /health answers 503 while one reference forward has run longer than this (a hung device, a
+    # deadlocked kernel): the process is up, but no batch will come out of it
+    forward_stall_s: float = Field(600.0, gt=0)
 
 
 class RolloutConfig(Section):

@@ -78,6 +78,31 @@ async def _upload(url, *groups, **kw):
         return [await c.upload(g) for g in groups]
 
 
+def test_health_says_so_while_a_reference_forward_hangs(tiny, monkeypatch):
+    """The process is up and answers, but a forward that never returns (a hung device) gives no batch:
+    /health must not say ok (it did: only a stopped loop counted)."""
+    release = threading.Event()
+    forward = reference_mod.Reference.compute_all
+
+    def hung(self, window):
+        release.wait(60)
+        return forward(self, window)
+
+    monkeypatch.setattr(reference_mod.Reference, "compute_all", hung)
+    cfg = config(forward_stall_s=0.5, _extra=["grpo.beta=0.04"])
+    with serve(create_app(cfg, model=tiny)) as url, httpx.Client(base_url=url, timeout=10) as h:
+        assert h.get("/health").status_code == 200
+        asyncio.run(_upload(url, [mk(1), mk(2)]))
+        deadline = time.time() + 20
+        while (r := h.get("/health")).status_code == 200 and time.time() < deadline:
+            time.sleep(0.1)
+        assert r.status_code == 503 and r.json()["status"].startswith("reference forward running for"), r.text
+        release.set()
+        with RefServerClient(url) as c:
+            assert [x.group_id for x in c.get_batch(max_samples=2, max_tokens=10**6, wait_s=20)] == ["1", "2"]
+        assert h.get("/health").json()["status"] == "ok"
+
+
 @pytest.mark.parametrize("bound", ["samples", "bytes"])
 def test_producer_flood_is_bounded_lossless_and_in_order(bound):
     if bound == "samples":

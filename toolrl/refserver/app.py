@@ -468,7 +468,12 @@ def create_app(cfg: Config, *, model=None, log: logging.Logger | None = None) ->
     @app.get("/health")
     async def health():
         alive = bool(tasks) and not tasks[0].done()
-        body = {"status": "ok" if alive else "reference loop stopped",
+        forward_s = reference.forward_running_s()
+        stalled = forward_s > cfg.ref_server.forward_stall_s
+        status = ("reference loop stopped" if not alive else f"reference forward running for {forward_s:.0f} s "
+                  f"(ref_server.forward_stall_s {cfg.ref_server.forward_stall_s:g})" if stalled else "ok")
+        alive = alive and not stalled
+        body = {"status": status,
                 "reference": cfg.model.name if reference.enabled else "disabled",
                 "uptime_s": round(time.monotonic() - started, 3)}
         return JSONResponse(body, status_code=200 if alive else 503)

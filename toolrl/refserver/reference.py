@@ -161,6 +161,12 @@ class Reference:
         self.failed_total = 0
         self._recent: deque[tuple[float, int]] = deque(maxlen=4096)  # (end time, tokens) for a wall rate
         self.alive = False
+        self.forward_since: float | None = None  # monotonic start of the forward running now
+
+    def forward_running_s(self) -> float:
+        """How long the forward running now has run (0 when none is)."""
+        since = self.forward_since
+        return 0.0 if since is None else time.monotonic() - since
 
     # -- validation at the door --------------------------------------------------------------
     def validate(self, samples: Sequence[Sample]) -> None:
@@ -232,7 +238,11 @@ class Reference:
                     queue.complete(window, None)
                     continue
                 t0 = time.perf_counter()
-                results = await self._compute.run(self.compute_all, [e.sample for e in window])
+                self.forward_since = time.monotonic()
+                try:
+                    results = await self._compute.run(self.compute_all, [e.sample for e in window])
+                finally:
+                    self.forward_since = None
                 self.settle(queue, window, results, time.perf_counter() - t0)
         finally:
             self.alive = False
