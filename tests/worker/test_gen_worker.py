@@ -522,6 +522,34 @@ def test_an_engine_request_that_never_finishes_is_aborted_at_its_timeout(caplog)
     assert closed == ["r.0"] and not eng.active and "rollout.request_timeout_s" in caplog.text
 
 
+def test_a_wedged_engine_fails_a_weight_load_and_an_abort_in_time_and_says_which(monkeypatch):
+    """Dropping the prefix cache after a load, and aborting requests, were awaited with no bound: a
+    wedged engine core held the worker's gate closed for good (from the audit of waits)."""
+    from toolrl.worker import engine as engine_mod
+
+    class WedgedLLM:
+        async def collective_rpc(self, method, kwargs=None, args=()):
+            return [None]
+
+        async def reset_prefix_cache(self, reset_running_requests=False):
+            await asyncio.sleep(3600)
+
+        async def abort(self, ids):
+            await asyncio.sleep(3600)
+
+    monkeypatch.setattr(engine_mod, "ENGINE_CALL_TIMEOUT_S", 0.3)
+    eng = engine_mod.VllmEngine.__new__(engine_mod.VllmEngine)
+    eng.llm, eng.active = WedgedLLM(), {"r.0"}
+    t0 = time.time()
+    with pytest.raises(TimeoutError, match="dropping the prefix cache"):
+        asyncio.run(eng.load_buckets("/nonexistent", 1, 1, timeout_s=5))
+    with pytest.raises(TimeoutError, match="aborting 1 engine requests"):
+        asyncio.run(eng.abort(["r.0"]))
+    with pytest.raises(TimeoutError, match="aborting 1 engine requests"):
+        asyncio.run(eng.abort_all())
+    assert time.time() - t0 < 5
+
+
 def test_the_workers_api_answers_nothing_without_its_token():
     """FastAPI's /docs, /redoc and /openapi.json are answered outside the routes' dependencies, so they
     described the whole API to anyone (found in review of the reference server, which had them too)."""

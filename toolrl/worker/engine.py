@@ -26,6 +26,10 @@ from toolrl.format import stop_strings
 from toolrl.net import wait_for
 
 log = logging.getLogger("gen_worker")
+# Engine calls that take milliseconds (an abort, dropping the prefix cache, setting threads): bounded,
+# so that a wedged engine core fails the weight update or the interrupt with a message instead of
+# holding the worker's gate closed forever
+ENGINE_CALL_TIMEOUT_S = 60.0
 
 
 def is_cpu() -> bool:
@@ -164,7 +168,8 @@ class VllmEngine:
         return value (found in review: a resumed rollout could reuse the old weights' KV)."""
         t0 = time.time()
         await wait_for(self.llm.collective_rpc(method, kwargs=kwargs), timeout_s, what)
-        if not await self.llm.reset_prefix_cache(reset_running_requests=True):
+        if not await wait_for(self.llm.reset_prefix_cache(reset_running_requests=True), ENGINE_CALL_TIMEOUT_S,
+                              "dropping the prefix cache after the weights loaded"):
             raise RuntimeError("the prefix cache could not be dropped after the weights loaded")
         return time.time() - t0
 
@@ -190,7 +195,7 @@ class VllmEngine:
         is bound to, as it started; never more). Returns the threads now set; None on a GPU."""
         if not self.cpu:
             return None
-        got = await wait_for(self.llm.collective_rpc("toolrl_set_threads", args=(n,)), 60.0,
+        got = await wait_for(self.llm.collective_rpc("toolrl_set_threads", args=(n,)), ENGINE_CALL_TIMEOUT_S,
                              "setting the engine's threads")
         return int(got[0])
 
@@ -198,12 +203,12 @@ class VllmEngine:
         """End these requests now; each one's `generate` returns what it had, finish_reason "abort"."""
         ids = [i for i in request_ids if i in self.active]
         if ids:
-            await self.llm.abort(ids)
+            await wait_for(self.llm.abort(ids), ENGINE_CALL_TIMEOUT_S, f"aborting {len(ids)} engine requests")
 
     async def abort_all(self) -> int:
         ids = list(self.active)
         if ids:
-            await self.llm.abort(ids)
+            await wait_for(self.llm.abort(ids), ENGINE_CALL_TIMEOUT_S, f"aborting {len(ids)} engine requests")
         return len(ids)
 
     def shutdown(self) -> None:
