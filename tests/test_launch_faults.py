@@ -81,6 +81,22 @@ def stopped_cleanly(launch: subprocess.Popen, ports: dict, timeout_s: float = 12
     return out
 
 
+
+def killed_stops_all(launch: subprocess.Popen, ports: dict, script: str, port: int, says: str) -> None:
+    """SIGKILL every process of `script` on `port`: launch.sh stops everything, exits 1 and says why."""
+    for pid in pids_of(script, port):
+        os.kill(pid, signal.SIGKILL)
+    out = stopped_cleanly(launch, ports)
+    assert launch.returncode == 1 and says in out, out[-2000:]
+
+
+def start_waiting_for_workers(run_dir: Path, ports: dict) -> subprocess.Popen:
+    """launch.sh --resume with no gen worker of its own, once it says it waits for one to join."""
+    launch = start(run_dir, ports, "--resume", "--workers", "0")
+    wait_for("the learner waits for workers", lambda: "waiting for workers to join" in launch.out.read_text(),
+             900, launch)
+    return launch
+
 @pytest.mark.timeout(1800)  # seven phases, five starts of the whole system: 6-11 minutes in the suite
 def test_faults_through_launch_sh(tmp_path):
     run_dir = tmp_path / "run"
@@ -100,10 +116,7 @@ def test_faults_through_launch_sh(tmp_path):
         wait_for("two more steps", lambda: steps_done(run_dir) >= s0 + 2, 600, launch)
 
         # 2. the last gen worker dies: launch.sh stops everything, and says why
-        for pid in pids_of("gen_worker.py", ports["w"]):
-            os.kill(pid, signal.SIGKILL)
-        out = stopped_cleanly(launch, ports)
-        assert launch.returncode == 1 and "no gen worker left; stopping" in out, out[-2000:]
+        killed_stops_all(launch, ports, "gen_worker.py", ports["w"], "no gen worker left; stopping")
         ckpt = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
         assert ckpt >= 2
 
@@ -158,25 +171,16 @@ def test_faults_through_launch_sh(tmp_path):
                  and f"resumed at step {ckpt}" in learner_log.read_text(), 900, launch)
         time.sleep(8)  # several rounds of launch.sh's watch
         assert launch.poll() is None and "waiting for workers to join" in launch.out.read_text()
-        for pid in pids_of("learner.py", ports["ref"]):  # the launcher and its rank: both name the ref server
-            os.kill(pid, signal.SIGKILL)
-        out = stopped_cleanly(launch, ports)
-        assert launch.returncode == 1 and "learner failed" in out, out[-2000:]
+        # the launcher and its rank: both name the ref server
+        killed_stops_all(launch, ports, "learner.py", ports["ref"], "learner failed")
 
         # 6. the reference server dies: everything stops
-        launch = start(run_dir, ports, "--resume", "--workers", "0")
-        wait_for("the learner waits for workers", lambda: "waiting for workers to join" in launch.out.read_text(),
-                 900, launch)
-        for pid in pids_of("ref_server.py", ports["ref"]):
-            os.kill(pid, signal.SIGKILL)
-        out = stopped_cleanly(launch, ports)
-        assert launch.returncode == 1 and "ref_server died; stopping" in out, out[-2000:]
+        launch = start_waiting_for_workers(run_dir, ports)
+        killed_stops_all(launch, ports, "ref_server.py", ports["ref"], "ref_server died; stopping")
 
         # 7. Ctrl-C twice: the first waits for the learner's checkpoint (here it never comes: the
         # learner is frozen), the second stops everything at once, the learner included
-        launch = start(run_dir, ports, "--resume", "--workers", "0")
-        wait_for("the learner waits for workers", lambda: "waiting for workers to join" in launch.out.read_text(),
-                 900, launch)
+        launch = start_waiting_for_workers(run_dir, ports)
         frozen = pids_of("learner.py", ports["ref"])
         assert frozen
         for pid in frozen:
