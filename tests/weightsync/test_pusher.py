@@ -117,3 +117,29 @@ def test_a_worker_restarted_under_its_id_and_url_is_caught_up():
     reg.list = [{**first, "registered_at": 250.0}]  # the same id and URL, a new life, empty
     assert [w["id"] for w in s.behind(7)] == ["worker-0"]
 
+
+
+def test_workers_that_left_are_forgotten(caplog):
+    """What the learner remembers of each worker (its last failure, the version it confirmed, an
+    untrusted URL already logged) goes when the worker leaves the registry: a long run's workers
+    come and go, and a record of each would grow without end."""
+    reg = FixedRegistry([dict(w) for w in WORKERS])
+
+    class FailingOne(Recorder):
+        def push(self, worker, named, version):
+            return {"error": "down"} if worker["id"] == "flaky" else super().push(worker, named, version)
+
+    cfg = load_config("configs/cpu_tiny.yaml", ["logging.wandb_mode=disabled", "rollout.token=secret"])
+    s = WeightSync(cfg, reg, transport=FailingOne())
+    reg.list.append({"id": "flaky", "url": "http://127.0.0.1:8301", "policy_version": 0})
+    s.push([], 1)
+    assert set(s.failures) == {"flaky"} and len(s.pushed) == 1 and len(s.refused) == 2
+    reg.list = [w for w in reg.list if w["id"] == "local"]
+    assert s.behind(1) == []
+    assert s.failures == {} and len(s.pushed) == 1 and s.refused == set()
+    reg.list = [dict(w) for w in WORKERS]  # the untrusted ones come back: logged again, once
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="learner"):
+        s.behind(1)
+        s.behind(1)
+    assert sum("not sending weights" in r.message for r in caplog.records) == 2

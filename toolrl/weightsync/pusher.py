@@ -203,9 +203,13 @@ class WeightSync:
 
     def behind(self, version: int) -> list[dict]:
         """Live workers that are behind `version` (late joiners, earlier failures); workers that left
-        are forgotten."""
-        live = self.trusted(self.ref.workers())
-        self.pushed = {k: v for k, v in self.pushed.items() if k in {incarnation(w) for w in live}}  # left: forgotten
+        are forgotten (a run that sees thousands of workers come and go keeps none of them)."""
+        registered = self.ref.workers()
+        live = self.trusted(registered)
+        lives, ids = {incarnation(w) for w in live}, {w["id"] for w in live}
+        self.pushed = {k: v for k, v in self.pushed.items() if k in lives}
+        self.failures = {k: v for k, v in self.failures.items() if k in ids}
+        self.refused &= {w["url"] for w in registered}  # logged again if it registers again
         self.transport.forget({(w["id"], w["url"]) for w in live})
         # The registry learns a worker's version from its next heartbeat; what we pushed counts now.
         return [w for w in live
