@@ -163,14 +163,25 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
         run_start = len(r.completion_ids)
         return True
 
+    async def execute(code: str) -> ToolCall:
+        """A block in the rollout's session, which it continues once an earlier block ran there."""
+        nonlocal ran
+        call = await tool.run(code, session, continues=ran and session is not None)
+        ran = True
+        return call
+
+    def unavailable(call: ToolCall) -> bool:
+        """An infrastructure failure ends the sample, unscored: the model did nothing wrong."""
+        if call.status != "unavailable":
+            return False
+        r.tool_calls.append(call)
+        r.stop_reason = "tool_unavailable"
+        return True
+
     try:
         if pending_code is not None and tool is not None:
-            call, ran = await tool.run(pending_code, session, continues=ran and session is not None), True
-            if call.status == "unavailable":
-                r.tool_calls.append(call)
-                r.stop_reason = "tool_unavailable"
-                return r
-            if not insert(call):
+            call = await execute(pending_code)
+            if unavailable(call) or not insert(call):
                 return r
         while True:
             budget = min(cfg.max_new_tokens - r.generated,
@@ -208,12 +219,8 @@ async def run_rollout(gen: Generator, tool: Tool | None, tokenizer, prompt_ids: 
                 call = ToolCall(code="", status="error",
                                 output="Error: no ```python block was found before this line.\n")
             else:
-                call, ran = await tool.run(code, session, continues=ran and session is not None), True
-            if call.status == "unavailable":  # an infrastructure failure: the sample ends, unscored
-                r.tool_calls.append(call)
-                r.stop_reason = "tool_unavailable"
-                break
-            if not insert(call, lead):
+                call = await execute(code)
+            if unavailable(call) or not insert(call, lead):
                 break
     finally:
         if tool is not None and session is not None and ran:
