@@ -12,7 +12,7 @@
 # system and its learner ranks; node rank R > 0 runs only its learner ranks (log
 # RUN_DIR/logs/learner_nodeR.log), with node 0's reference server and tokens. The learner ranks of
 # every node start under torchrun (--nnodes/--node_rank/--master_addr: no hostfile, no ssh); one
-# rank per learner GPU, or one on a CPU. Without --nnodes, the learner runs under deepspeed as before.
+# rank per learner GPU, or one on a CPU. Without --nnodes: deepspeed on GPUs; on a CPU one rank as itself.
 #
 # GPU placement comes from the config's `launch` section; the flags override it. Once any GPU is
 # placed, a process given none runs on the CPU; with none placed, every process keeps the GPUs this
@@ -95,11 +95,11 @@ fi
 mapfile -t V < <("$PY" config.py --config "$CONFIG" "${SETS[@]}" --get executor.port --get ref_server.port \
   --get rollout.port --get launch.workers --get launch.ref_gpu --get launch.worker_gpus \
   --get launch.learner_gpus --get model.name --get executor.token --get ref_server.token \
-  --get rollout.token --get launch.stop_timeout_s || echo FAILED)
-[ ${#V[@]} = 12 ] || exit 2
+  --get rollout.token --get launch.stop_timeout_s --get launch.learner_launcher || echo FAILED)
+[ ${#V[@]} = 13 ] || exit 2
 STOP_S=$(LC_ALL=C printf '%.0f' "${V[11]}")  # a float as config.py prints it; LC_ALL: "180.0" in any locale
 EX_PORT=${V[0]}; REF_PORT=${V[1]}; W_PORT=${V[2]}; WORKERS=${V[3]}
-REF_GPU=${V[4]}; WORKER_GPUS=${V[5]}; LEARNER_GPUS=${V[6]}; MODEL=${V[7]}
+REF_GPU=${V[4]}; WORKER_GPUS=${V[5]}; LEARNER_GPUS=${V[6]}; MODEL=${V[7]}; LEARNER_LAUNCHER=${V[12]}
 # Every service takes a bearer token: each one the config (or the environment) leaves unset gets a
 # fresh one for this run. They reach the processes in the environment, never on a command line
 # (which `ps` shows every user), and are kept in RUN_DIR/tokens.env (mode 0600) for workers that
@@ -170,9 +170,14 @@ if [ "$NNODES" -gt 1 ]; then  # one rank per learner GPU (it sees only those), o
 elif [ -n "$LEARNER_GPUS" ]; then  # deepspeed sets each rank's device itself
   LEARNER_AT=launcher
   LEARNER_CMD=("$(dirname "$PY")/deepspeed" --include "localhost:$LEARNER_GPUS" --master_port "$MASTER_PORT")
-else  # CPU: one rank on DeepSpeed's CPU accelerator
+elif [ "$LEARNER_LAUNCHER" = deepspeed ]; then  # CPU, as GPU nodes run (launch.learner_launcher)
   LEARNER_AT=""
   LEARNER_CMD=("$(dirname "$PY")/deepspeed" --num_gpus 1 --master_port "$MASTER_PORT")
+else  # CPU: one rank on DeepSpeed's CPU accelerator, started as itself (toolrl/learner/dist_env.py):
+  # deepspeed's launcher would add two processes that import torch (~370 MB and 4 s of CPU) only to
+  # set RANK=0 and WORLD_SIZE=1
+  LEARNER_AT=""
+  LEARNER_CMD=("$PY" -u)
 fi
 LEARNER_CMD+=(learner.py "${COMMON[@]}" --run-dir "$RUN_DIR" $RESUME)
 

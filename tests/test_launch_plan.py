@@ -67,7 +67,10 @@ def test_cpu_default_and_cpu_workers_pinned(tmp_path):
     p = plan(tmp_path=tmp_path)  # configs/cpu_demo.yaml
     assert set(p) == {"executor", "ref_server", "gen_worker_0", "learner"}
     assert p["executor"][0] == '""' and all(p[k][0] is None for k in ("ref_server", "gen_worker_0", "learner"))
-    assert "--num_gpus 1" in p["learner"][1]
+    # one CPU rank runs as itself: no launcher processes (launch.learner_launcher=auto)
+    assert "python -u learner.py " in p["learner"][1] and "deepspeed" not in p["learner"][1]
+    p = plan("--set", "launch.learner_launcher=deepspeed", tmp_path=tmp_path)
+    assert "/deepspeed --num_gpus 1 --master_port 9200 learner.py " in p["learner"][1]
     p = plan("--workers", "2", tmp_path=tmp_path)
     assert "rollout.cpu_threads_bind=0" in p["gen_worker_0"][1] and "rollout.cpu_threads_bind=1" in p["gen_worker_1"][1]
 

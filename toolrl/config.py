@@ -506,6 +506,11 @@ class LaunchConfig(Section):
     # alone: the deepspeed and torchrun launchers SIGKILL them 30 s after they get it themselves,
     # which a CPU step of the demo (25-76 s) can outlast.
     stop_timeout_s: float = Field(180.0, ge=0, le=86400)
+    # The learner's launcher on one node: "auto" is deepspeed's with GPUs and none for the one rank
+    # on a CPU (python learner.py: the launcher's two processes would import torch, ~370 MB, only to
+    # set RANK=0 and WORLD_SIZE=1); "deepspeed" runs the CPU rank under it too, as GPU nodes run.
+    # Several nodes (--nnodes) always run torchrun.
+    learner_launcher: Literal["auto", "deepspeed"] = "auto"
 
     @field_validator("worker_gpus", "learner_gpus", mode="before")
     @classmethod
