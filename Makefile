@@ -45,8 +45,9 @@ demo: install
 	./launch.sh --config configs/cpu_demo.yaml
 
 # Two pytest processes (-n 2), each test file whole on one of them (its module fixtures start once,
-# its tests run in order); then, alone, the tests marked `serial`: two learner ranks whose gloo
-# collectives busy-wait, 13x slower beside another test. tests/conftest.py gives each process one
+# its tests run in order); then, alone, the tests marked `serial`: two learner ranks that need a
+# core each (their collectives do not busy-wait: one took 44 s alone, 64 s beside one busy core and
+# 88 s beside two, 2026-11-30; "13x" was measured before). tests/conftest.py gives each process one
 # torch thread, keeps the three whole-system files together on one process and hands out the
 # costliest files first. On the 2-core AMD EPYC (avx2), 2026-11-28: 22:39 (25:34 before those
 # three changes, 33:52 with everything serial).

@@ -587,7 +587,7 @@ def one_node_two_ranks(tmp_path_factory):
     return launch_ranks(out, nnodes=1), out / "weights.safetensors"
 
 
-@pytest.mark.serial  # two gloo ranks busy-wait: alone, or 13x slower
+@pytest.mark.serial  # two ranks, a core each: 44 s alone, 88 s beside two busy cores
 def test_two_ranks_with_unequal_shares_step_as_one_rank_on_the_whole_batch(one_node_two_ranks):
     """Two learner ranks on one node, one with 1 group and one with 3, so their shares differ in
     samples, tokens and micro-batches: both must finish and apply both steps (ZeRO-2 reduces inside
@@ -621,7 +621,7 @@ def test_two_ranks_with_unequal_shares_step_as_one_rank_on_the_whole_batch(one_n
         assert (t1 - two[n]).abs().max().item() <= 1e-2 * update, n
 
 
-@pytest.mark.serial  # two gloo ranks busy-wait: alone, or 13x slower
+@pytest.mark.serial  # two ranks, a core each: 44 s alone, 88 s beside two busy cores
 def test_two_nodes_of_one_rank_step_as_one_node_of_two_ranks(one_node_two_ranks, tmp_path):
     """Learner ranks on several nodes: two torchrun launches of one rank each (--nnodes 2,
     --node_rank 0 and 1, rendezvous at 127.0.0.1, gloo) take the same two steps on the same shares
@@ -671,7 +671,7 @@ MINI_SETS = ("learner.micro_batch_tokens=64", "learner.zero_stage=2", "grpo.mini
              "grpo.updates_per_batch=2", "grpo.tis_cap=2.0", "learner.lr=5e-3")
 
 
-@pytest.mark.serial  # two gloo ranks busy-wait: alone, or 13x slower
+@pytest.mark.serial  # two ranks, a core each: 44 s alone, 88 s beside two busy cores
 def test_two_ranks_cut_unequal_shares_into_the_same_mini_batches(tmp_path, monkeypatch):
     """Several updates per batch in mini-batches on two ranks with unequal shares (1 group against
     3): the rank with one group has nothing for the second mini-batch, yet every optimizer step is
