@@ -91,10 +91,13 @@ def killed_stops_all(launch: subprocess.Popen, ports: dict, script: str, port: i
 
 
 def start_waiting_for_workers(run_dir: Path, ports: dict) -> subprocess.Popen:
-    """launch.sh --resume with no gen worker of its own, once it says it waits for one to join."""
+    """launch.sh --resume with no gen worker of its own, once it says it waits for one to join and
+    the learner's process is there: launch.sh says so just after starting it in the background, and
+    under load the line can come before that process runs learner.py (CI saw none in phase 7)."""
     launch = start(run_dir, ports, "--resume", "--workers", "0")
     wait_for("the learner waits for workers", lambda: "waiting for workers to join" in launch.out.read_text(),
              900, launch)
+    wait_for("the learner's process", lambda: pids_of("learner.py", ports["ref"]), 60, launch)
     return launch
 
 @pytest.mark.timeout(1800)  # seven phases, five starts of the whole system: 6-11 minutes in the suite
