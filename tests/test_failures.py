@@ -17,7 +17,9 @@ import pytest
 from procs import Proc, free_port  # tests/ is on sys.path (conftest)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
-STEPS = 40  # more than the test needs: it ends once the resumed learner has stepped
+# Far more steps than the test waits for: it ends once the resumed learner has stepped. At 40, a CI
+# run trained them all while a late worker's engine took 113 s to start, and the next phase waited in vain.
+STEPS = 400
 
 
 def wait_until(what, pred, timeout_s=300, every=1.0):
